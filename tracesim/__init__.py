@@ -8,3 +8,50 @@ engine. Only :mod:`capture` needs torch.
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from tracesim.certificates import (
+    OutputSpaceCertificate,
+    bootstrap_certificate,
+    output_space_certificate,
+)
+from tracesim.coverage import satterthwaite_covered, wald_covered
+from tracesim.designs import (
+    Bernoulli,
+    Design,
+    OrderSampling,
+    PoissonPPS,
+    TopK,
+    inclusion_probabilities,
+    make_design,
+)
+from tracesim.estimators import AttentionEstimate, full_attention, hajek_attention
+from tracesim.prn import permanent_uniforms
+
+__all__ = [
+    "AttentionEstimate",
+    "Bernoulli",
+    "Design",
+    "OrderSampling",
+    "OutputSpaceCertificate",
+    "PoissonPPS",
+    "TopK",
+    "__version__",
+    "bootstrap_certificate",
+    "full_attention",
+    "hajek_attention",
+    "inclusion_probabilities",
+    "make_design",
+    "output_space_certificate",
+    "permanent_uniforms",
+    "satterthwaite_covered",
+    "wald_covered",
+]
+
+
+def __getattr__(name: str):  # pragma: no cover - thin lazy loader
+    # The store is imported lazily so `import tracesim` stays light.
+    if name in ("open_store", "TraceStore", "TraceWriter"):
+        from tracesim import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module 'tracesim' has no attribute {name!r}")

@@ -1,0 +1,50 @@
+"""Inclusion designs: from tail scores and a budget to inclusion probabilities and kept sets.
+
+=================  ===========================================  ==========  ===========
+name               class                                        randomized  variance
+=================  ===========================================  ==========  ===========
+``poisson``        :class:`PoissonPPS` (capped PPS, mixture)    yes         poisson
+``bernoulli``      :class:`Bernoulli` (uniform)                 yes         poisson
+``fixed``          :class:`OrderSampling` (Pareto / sequential)  yes         fixed
+``topk``           :class:`TopK` (deterministic)                no          none
+=================  ===========================================  ==========  ===========
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tracesim.designs.base import Design, validate_budget, validate_scores
+from tracesim.designs.bernoulli import Bernoulli
+from tracesim.designs.order import OrderSampling
+from tracesim.designs.poisson import PoissonPPS, inclusion_probabilities
+from tracesim.designs.topk import TopK
+
+__all__ = [
+    "DESIGNS",
+    "Bernoulli",
+    "Design",
+    "OrderSampling",
+    "PoissonPPS",
+    "TopK",
+    "inclusion_probabilities",
+    "make_design",
+    "validate_budget",
+    "validate_scores",
+]
+
+DESIGNS: dict[str, type[Design]] = {
+    cls.name: cls for cls in (PoissonPPS, Bernoulli, OrderSampling, TopK)
+}
+
+
+def make_design(name: str, **params: Any) -> Design:
+    """Build a design from its registry name and hyperparameters (e.g. from a sweep spec)."""
+    try:
+        cls = DESIGNS[name]
+    except KeyError:
+        raise ValueError(f"unknown design {name!r}; expected one of {sorted(DESIGNS)}") from None
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(f"design {name!r}: {exc}") from None

@@ -1,0 +1,97 @@
+"""Compiled kernels for inclusion probabilities and fixed-size order sampling."""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+
+@nb.njit(cache=True)
+def capped_pps_scale(x: np.ndarray, n: float, floor: float) -> float:
+    """Solve ``sum_i clip(c * x_i, floor, 1) = n`` for c exactly.
+
+    ``f(c) = sum_i clip(c x_i, floor, 1)`` is piecewise linear and non-decreasing in c. Token i
+    (with ``x_i > 0``) leaves the floor at ``c = floor / x_i`` and reaches the cap at
+    ``c = 1 / x_i``. In ascending score order the tokens at the floor, in between and at the cap
+    are three contiguous runs ``[0, lo)``, ``[lo, hi)``, ``[hi, N)``; a sweep over the sorted
+    breakpoints moves ``lo`` and ``hi`` down, so ``f(c) = lo*floor + c*sum(x[lo:hi]) + (N-hi)``
+    with the sum taken from ascending prefix sums (no running subtraction that could cancel when
+    scores span many orders of magnitude). One division then gives c. Cost O(N log N).
+    Returns -1.0 if n cannot be reached.
+    """
+    N = x.size
+    xs = np.sort(x)
+    prefix = np.zeros(N + 1)
+    for i in range(N):
+        prefix[i + 1] = prefix[i] + xs[i]
+    first_positive = np.searchsorted(xs, 0.0, side="right")
+    n_pos = N - first_positive
+    at = np.empty(2 * n_pos)
+    kind = np.empty(2 * n_pos, dtype=np.int8)  # 0: leaves the floor, 1: reaches the cap
+    for j in range(n_pos):
+        at[2 * j] = floor / xs[first_positive + j]
+        kind[2 * j] = 0
+        at[2 * j + 1] = 1.0 / xs[first_positive + j]
+        kind[2 * j + 1] = 1
+    order = np.argsort(at, kind="mergesort")
+    lo = N
+    hi = N
+    for e in range(2 * n_pos):
+        k = order[e]
+        c = at[k]
+        slope = prefix[hi] - prefix[lo]
+        value = lo * floor + slope * c + (N - hi)
+        if value >= n:
+            if slope > 0.0:
+                return (n - lo * floor - (N - hi)) / slope
+            return c
+        if kind[k] == 0:
+            lo -= 1
+        else:
+            hi -= 1
+    # Every positive-score token is capped; the rest sit at the floor.
+    if lo * floor + (N - hi) >= n * (1 - 1e-12):
+        return at[order[2 * n_pos - 1]] if n_pos > 0 else 0.0
+    return -1.0
+
+
+@nb.njit(cache=True)
+def apply_capped_pps(x: np.ndarray, c: float, floor: float, out: np.ndarray) -> None:
+    for i in range(x.size):
+        p = c * x[i]
+        if p >= 1.0:
+            p = 1.0
+        elif p < floor:
+            p = floor
+        out[i] = p
+
+
+@nb.njit(cache=True)
+def order_sample(target: np.ndarray, u: np.ndarray, n: int, pareto: bool,
+                 kept: np.ndarray) -> None:
+    """Keep the n tokens with the smallest ranking variable (Rosén's order sampling).
+
+    Sequential Poisson ranks by ``u / lambda``; Pareto by ``[u/(1-u)] / [lambda/(1-lambda)]``.
+    ``lambda = 1`` ranks first (always kept), ``lambda = 0`` never ranks. Ties are broken by the
+    lower index so the result is a deterministic function of (target, u).
+    """
+    N = target.size
+    q = np.empty(N)
+    for i in range(N):
+        lam = target[i]
+        if lam >= 1.0:
+            q[i] = -1.0
+        elif lam <= 0.0:
+            q[i] = np.inf
+        elif pareto:
+            q[i] = (u[i] / (1.0 - u[i])) / (lam / (1.0 - lam))
+        else:
+            q[i] = u[i] / lam
+    order = np.argsort(q, kind="mergesort")
+    for i in range(N):
+        kept[i] = False
+    for r in range(min(n, N)):
+        i = order[r]
+        if q[i] == np.inf:
+            break
+        kept[i] = True

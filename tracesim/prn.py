@@ -1,0 +1,156 @@
+"""Permanent random numbers: a stateless counter-based uniform per (seed, layer, kv-head, position).
+
+Every randomized decision in tracesim draws its uniform from :func:`permanent_uniforms`, never from
+a stateful generator. The same key always gives the same number, so
+
+* kept sets are nested across budgets (token i is kept iff ``u_i < pi_i`` and pi grows with the
+  budget: common random numbers),
+* results do not depend on the order of work or the number of workers,
+* the offline simulator and the torch in-loop path keep bit-identical token sets, and
+* decode-time eviction with "kept while ``u_i < min_{tau<=t} pi_i(tau)``" stays a Poisson design.
+
+The algorithm (version 1) uses only 32-bit unsigned arithmetic, so it can be re-implemented bit
+for bit anywhere that has 64-bit integers (numpy, torch, C):
+
+``mix32(x)``, for ``0 <= x < 2**32`` (the "lowbias32" integer finaliser)::
+
+    x ^= x >> 16;  x = (x * 0x7FEB352D) mod 2**32
+    x ^= x >> 15;  x = (x * 0x846CA68B) mod 2**32
+    x ^= x >> 16
+
+``hash(seed, stream, layer, kv_head, position)``, every argument an integer in ``[0, 2**32)``::
+
+    h = mix32(seed     ^ 0x243F6A88)
+    h = mix32(h ^ stream   ^ 0x85A308D3)
+    h = mix32(h ^ layer    ^ 0x13198A2E)
+    h = mix32(h ^ kv_head  ^ 0x03707344)
+    h = mix32(h ^ position ^ 0xA4093822)
+    g = mix32(h ^ 0x299F31D0)
+
+``u = ((h >> 6) * 2**26 + (g >> 6) + 0.5) / 2**52`` — a float64 computed exactly (53 significant
+bits), strictly inside (0, 1); the smallest value is about 1.1e-16.
+
+With signed 64-bit integers (torch has no full uint64 arithmetic), compute the low 32 bits of
+``x * c`` without overflow as
+``(x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF``.
+
+Streams separate independent uses of the same key: :data:`STREAM_INCLUSION` decides which tail
+tokens are kept; other streams feed perturbations (e.g. the Gumbel noise of keyformer-like scores).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+__all__ = [
+    "PRN_VERSION",
+    "STREAM_INCLUSION",
+    "STREAM_PERTURBATION",
+    "permanent_uniforms",
+]
+
+PRN_VERSION = 1
+STREAM_INCLUSION = 0
+STREAM_PERTURBATION = 1
+
+_MASK32 = np.uint64(0xFFFFFFFF)
+_M1 = np.uint64(0x7FEB352D)
+_M2 = np.uint64(0x846CA68B)
+_S16 = np.uint64(16)
+_S15 = np.uint64(15)
+_S6 = np.uint64(6)
+_K_SEED = np.uint64(0x243F6A88)
+_K_STREAM = np.uint64(0x85A308D3)
+_K_LAYER = np.uint64(0x13198A2E)
+_K_HEAD = np.uint64(0x03707344)
+_K_POS = np.uint64(0xA4093822)
+_K_FINAL = np.uint64(0x299F31D0)
+_TWO26 = 67108864.0
+_TWO52 = 4503599627370496.0
+
+
+@nb.njit(cache=True, inline="always")
+def _mix32(x: np.uint64) -> np.uint64:
+    # All constants are uint64 so numba never promotes to float (uint64 op int64 -> float64).
+    x ^= x >> _S16
+    x = (x * _M1) & _MASK32
+    x ^= x >> _S15
+    x = (x * _M2) & _MASK32
+    x ^= x >> _S16
+    return x
+
+
+@nb.njit(cache=True)
+def _uniform(seed: np.uint64, stream: np.uint64, layer: np.uint64, kv_head: np.uint64,
+             position: np.uint64) -> float:
+    h = _mix32(seed ^ _K_SEED)
+    h = _mix32(h ^ stream ^ _K_STREAM)
+    h = _mix32(h ^ layer ^ _K_LAYER)
+    h = _mix32(h ^ kv_head ^ _K_HEAD)
+    h = _mix32(h ^ position ^ _K_POS)
+    g = _mix32(h ^ _K_FINAL)
+    hi = float(h >> _S6)
+    lo = float(g >> _S6)
+    return (hi * _TWO26 + lo + 0.5) / _TWO52
+
+
+@nb.njit(cache=True)
+def _uniforms_kernel(seed: np.uint64, stream: np.uint64, layer: np.uint64, kv_head: np.uint64,
+                     positions: np.ndarray, out: np.ndarray) -> None:
+    for i in range(positions.size):
+        out[i] = _uniform(seed, stream, layer, kv_head, np.uint64(positions[i]))
+
+
+def _as_u32(value: int, name: str) -> np.uint64:
+    value = int(value)
+    if not 0 <= value < 2**32:
+        raise ValueError(f"{name} must be an integer in [0, 2**32), got {value}")
+    return np.uint64(value)
+
+
+def permanent_uniforms(
+    seed: int,
+    layer: int,
+    kv_head: int,
+    positions: np.ndarray | int,
+    *,
+    stream: int = STREAM_INCLUSION,
+) -> np.ndarray:
+    """Permanent uniform random numbers ``u(seed, layer, kv_head, position)`` in (0, 1).
+
+    Parameters
+    ----------
+    seed, layer, kv_head : int
+        Key components, each in ``[0, 2**32)``.
+    positions : array_like of int, shape (n,)
+        Token positions (absolute positions in the sequence), each in ``[0, 2**32)``.
+    stream : int, default 0
+        Independent use of the same key (0: inclusion decisions, 1: perturbations).
+
+    Returns
+    -------
+    numpy.ndarray of float64, shape (n,)
+        One uniform per position; identical on every platform and for every call order.
+
+    Examples
+    --------
+    >>> u = permanent_uniforms(0, 3, 1, np.arange(5))
+    >>> bool(((u > 0) & (u < 1)).all())
+    True
+    """
+    pos = np.asarray(positions)
+    scalar = pos.ndim == 0
+    pos = np.atleast_1d(pos)
+    if pos.ndim != 1:
+        raise ValueError(f"positions must be one-dimensional, got shape {pos.shape}")
+    if pos.size and not np.issubdtype(pos.dtype, np.integer):
+        raise ValueError(f"positions must be integers, got dtype {pos.dtype}")
+    if pos.size and (pos.min() < 0 or pos.max() >= 2**32):
+        raise ValueError("positions must lie in [0, 2**32)")
+    out = np.empty(pos.size, dtype=np.float64)
+    _uniforms_kernel(
+        _as_u32(seed, "seed"), _as_u32(stream, "stream"), _as_u32(layer, "layer"),
+        _as_u32(kv_head, "kv_head"), pos.astype(np.int64), out,
+    )
+    return out[0] if scalar else out
