@@ -1,0 +1,311 @@
+"""Constants, errors, model metadata and file-system helpers of the trace store format.
+
+The on-disk format is documented in ``docs/trace-format.md``; this module holds the pieces that
+every other store module shares: :data:`SCHEMA_VERSION`, :class:`StoreError`, :class:`ModelMeta`,
+file names, sequence-id sanitizing and the atomic-write helpers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+"""Version of the on-disk layout; bumped on any incompatible change."""
+
+STORE_FORMAT = "tracesim-trace-store"
+MODEL_FILE = "model.json"
+MANIFEST_FILE = "manifest.parquet"
+O_PROJ_FILE = "o_proj.arrow"
+SEQ_DIR = "seq"
+TENSOR_SUFFIX = ".arrow"
+TMP_SUFFIX = ".tmp"
+LOCK_FILE = ".lock"
+STORAGE_DTYPES = ("float16", "float32")
+QUERY_ROLES = ("context_window", "question_window", "decode", "all")
+
+_STEM_MAX = 100
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_SEQ_FILE = re.compile(r"seq/[A-Za-z0-9_-][A-Za-z0-9._-]*\.arrow")
+
+
+class StoreError(ValueError):
+    """A trace store or a record written to it is invalid.
+
+    Messages name the file, the field and the expected value, e.g.
+    ``seq/abc.arrow: field 'keys' of layer 3 has shape (3, 100, 64), expected (3, 101, 64)``.
+    """
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    """Shape and storage facts of the traced model, stored once per store in ``model.json``.
+
+    Attributes
+    ----------
+    model_id : str
+        Model name, e.g. ``"smollm2-135m-instruct"``.
+    architecture : str
+        Hugging Face architecture, e.g. ``"LlamaForCausalLM"``.
+    n_layers, n_heads, n_kv_heads, head_dim, hidden_size : int
+        Positive sizes. Query head ``h`` uses KV head ``h // (n_heads // n_kv_heads)``.
+    scaling : float
+        Softmax scale of the model (usually ``head_dim ** -0.5``).
+    dtype : str
+        Storage dtype of K/V/Q/O tensors, ``"float16"`` or ``"float32"``.
+
+    Raises
+    ------
+    StoreError
+        If a field has the wrong type or value.
+    """
+
+    model_id: str
+    architecture: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    scaling: float
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for name in ("model_id", "architecture"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise StoreError(
+                    f"ModelMeta: field {name!r} is {value!r}, expected a non-empty str"
+                )
+        for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise StoreError(f"ModelMeta: field {name!r} is {value!r}, expected a positive int")
+            object.__setattr__(self, name, int(value))
+        if self.n_heads % self.n_kv_heads:
+            raise StoreError(
+                f"ModelMeta: field 'n_heads' is {self.n_heads}, expected a multiple of "
+                f"n_kv_heads = {self.n_kv_heads}"
+            )
+        scaling = self.scaling
+        if (
+            not isinstance(scaling, (int, float, np.integer, np.floating))
+            or isinstance(scaling, (bool, np.bool_))
+            or not math.isfinite(float(scaling))
+            or float(scaling) <= 0
+        ):
+            raise StoreError(f"ModelMeta: field 'scaling' is {scaling!r}, expected a float > 0")
+        object.__setattr__(self, "scaling", float(scaling))
+        if self.dtype not in STORAGE_DTYPES:
+            raise StoreError(
+                f"ModelMeta: field 'dtype' is {self.dtype!r}, expected one of {STORAGE_DTYPES}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Number of query heads sharing one KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    def kv_head(self, head: int) -> int:
+        """KV head used by query head ``head``."""
+        return head // self.group_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of the fields."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, label: str = MODEL_FILE) -> ModelMeta:
+        """Build from a dict holding exactly the fields (extra keys are ignored).
+
+        Raises
+        ------
+        StoreError
+            Naming ``label`` and the missing or invalid field.
+        """
+        if not isinstance(data, dict):
+            raise StoreError(f"{label}: expected a JSON object, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise StoreError(f"{label}: missing field(s) {missing}")
+        try:
+            return cls(**{n: data[n] for n in names})
+        except StoreError as exc:
+            raise StoreError(f"{label}: {str(exc).removeprefix('ModelMeta: ')}") from None
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """Little-endian numpy dtype of a storage dtype name (``"float16"``/``"float32"``)."""
+    return np.dtype({"float16": "<f2", "float32": "<f4"}[name])
+
+
+# --------------------------------------------------------------------------- names and paths
+
+
+def check_sequence_id(sequence_id: Any) -> str:
+    """Return ``sequence_id`` if usable, else raise :class:`StoreError`.
+
+    Any non-empty string without NUL is accepted, except path-traversal attempts (a ``..``
+    component or an absolute path): those are refused rather than silently renamed.
+    """
+    if not isinstance(sequence_id, str) or not sequence_id:
+        raise StoreError(f"field 'sequence_id' is {sequence_id!r}, expected a non-empty str")
+    if "\x00" in sequence_id or len(sequence_id) > 1024:
+        raise StoreError(
+            f"field 'sequence_id' {sequence_id[:80]!r}: expected no NUL and at most 1024 chars"
+        )
+    parts = re.split(r"[/\\]", sequence_id)
+    if ".." in parts or sequence_id[0] in "/\\" or re.match(r"^[A-Za-z]:", sequence_id):
+        raise StoreError(
+            f"field 'sequence_id' {sequence_id!r}: path traversal is not allowed "
+            "(expected no '..' component and no absolute path)"
+        )
+    return sequence_id
+
+
+def safe_file_stem(sequence_id: str) -> str:
+    """File stem for ``sequence_id``: only ``[A-Za-z0-9._-]``, no leading dot, <= 113 chars.
+
+    Ids that are already safe map to themselves; others are sanitized and get a short hash of
+    the original id appended, so that two different ids cannot share a file.
+    """
+    stem = _UNSAFE.sub("_", sequence_id)
+    stem = re.sub(r"^\.", "_", stem)
+    if stem != sequence_id or len(stem) > _STEM_MAX:
+        digest = hashlib.sha256(sequence_id.encode()).hexdigest()[:12]
+        stem = f"{stem[:_STEM_MAX]}-{digest}"
+    return stem
+
+
+def member_path(root: Path, rel: Any, label: str) -> Path:
+    """Resolve a manifest ``file`` entry safely inside the store ``root``.
+
+    Raises
+    ------
+    StoreError
+        If ``rel`` is not of the form ``seq/<safe-name>.arrow`` or escapes ``root``.
+    """
+    if not isinstance(rel, str) or not _SEQ_FILE.fullmatch(rel):
+        raise StoreError(
+            f"{label}: field 'file' is {rel!r}, expected 'seq/<name>.arrow' with a safe name"
+        )
+    path = root / rel
+    try:
+        inside = path.resolve().is_relative_to(root.resolve())
+    except OSError:  # pragma: no cover - resolve() failing is exotic
+        inside = False
+    if not inside:
+        raise StoreError(f"{label}: field 'file' {rel!r} resolves outside the store")
+    return path
+
+
+# --------------------------------------------------------------------------- files
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry (after a rename); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def tmp_path(path: Path) -> Path:
+    """Temporary sibling of ``path`` used while writing it."""
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file: write, fsync, rename, fsync the directory."""
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """``"sha256:<hex>"`` of the bytes of ``path``, read in chunks (bounded memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- model.json
+
+
+def model_json_bytes(model: ModelMeta, o_proj: dict[str, Any] | None) -> bytes:
+    """Serialized ``model.json``: the ModelMeta fields, schema version and the o_proj entry."""
+    doc = {"format": STORE_FORMAT, "schema_version": SCHEMA_VERSION, **model.to_dict()}
+    doc["o_proj"] = o_proj
+    return (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode()
+
+
+def parse_model_json(root: Path) -> tuple[ModelMeta | None, dict[str, Any], list[str]]:
+    """Read ``model.json``; return ``(model or None, raw dict, problems)``."""
+    path = root / MODEL_FILE
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, {}, [f"{MODEL_FILE}: missing (not a trace store?)"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, {}, [f"{MODEL_FILE}: unreadable JSON ({exc})"]
+    if not isinstance(raw, dict):
+        return None, {}, [f"{MODEL_FILE}: expected a JSON object, got {type(raw).__name__}"]
+    problems = []
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        problems.append(
+            f"{MODEL_FILE}: field 'schema_version' is {version!r}, expected {SCHEMA_VERSION}"
+        )
+    o_proj = raw.get("o_proj")
+    if o_proj is not None and not (
+        isinstance(o_proj, dict)
+        and o_proj.get("file") == O_PROJ_FILE
+        and isinstance(o_proj.get("checksum"), str)
+        and _is_int(o_proj.get("n_bytes"))
+    ):
+        problems.append(
+            f"{MODEL_FILE}: field 'o_proj' is {o_proj!r}, expected null or "
+            f"{{'file': '{O_PROJ_FILE}', 'checksum': 'sha256:...', 'n_bytes': int}}"
+        )
+    try:
+        model = ModelMeta.from_dict(raw)
+    except StoreError as exc:
+        return None, raw, [*problems, str(exc)]
+    return model, raw, problems
+
+
+def read_model_json(root: Path) -> tuple[ModelMeta, dict[str, Any]]:
+    """Read and check ``model.json``; raise :class:`StoreError` on any problem."""
+    model, raw, problems = parse_model_json(root)
+    if problems or model is None:
+        raise StoreError(f"{root}: " + "; ".join(problems))
+    return model, raw

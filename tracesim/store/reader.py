@@ -1,0 +1,232 @@
+"""Reading a trace store: :func:`open_store`, :class:`TraceStore`, :class:`TraceSequence`.
+
+Everything is lazy and memory-mapped: opening a store reads ``model.json`` and the manifest;
+a tensor is read (as a zero-copy, read-only numpy view) only when asked for, so memory stays
+bounded by the (layer, head) tensors actually used, however long the context.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .format import (
+    MANIFEST_FILE,
+    O_PROJ_FILE,
+    ModelMeta,
+    StoreError,
+    member_path,
+    read_model_json,
+)
+from .manifest import read_manifest
+from .tensorfile import TensorFile, tensor_name
+
+
+def _check_index(value: Any, size: int, what: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if not 0 <= value < size:
+        raise IndexError(f"{what} {value} out of range [0, {size})")
+    return int(value)
+
+
+class TraceSequence:
+    """One recorded sequence: its manifest row and lazily memory-mapped tensors.
+
+    Attributes
+    ----------
+    sequence_id : str
+    meta : dict
+        The manifest row (plain Python values).
+    n_positions : int
+        Number of positions whose K/V are stored.
+    n_query : int
+        Number of recorded query positions.
+    query_positions : numpy.ndarray
+        ``(n_query,)`` int64, sorted positions of the recorded queries.
+    query_roles : list of str
+        Role of each query position (``context_window``, ``question_window``, ``decode``,
+        ``all``).
+    path : Path
+        The tensor file.
+
+    Notes
+    -----
+    Returned arrays are read-only views into the memory-mapped file (no copy); copy them
+    (``arr.copy()``) to modify. They stay valid while referenced, even after the store object
+    is dropped.
+    """
+
+    def __init__(self, model: ModelMeta, root: Path, meta: dict[str, Any]) -> None:
+        self.model = model
+        self.meta = meta
+        self.sequence_id: str = meta["sequence_id"]
+        label = f"{MANIFEST_FILE}: sequence {self.sequence_id!r}"
+        self.path = member_path(root, meta["file"], label)
+        self.file: str = meta["file"]
+        self.n_positions = int(meta["n_positions"])
+        self.n_query = int(meta["n_query"])
+        self._tensors: TensorFile | None = None
+
+    def __repr__(self) -> str:
+        return (f"TraceSequence({self.sequence_id!r}, n_positions={self.n_positions}, "
+                f"n_query={self.n_query}, file={self.file!r})")
+
+    @property
+    def query_positions(self) -> np.ndarray:
+        """``(n_query,)`` int64 positions of the recorded queries (sorted, unique)."""
+        return np.asarray(self.meta["query_positions"], dtype=np.int64)
+
+    @property
+    def query_roles(self) -> list[str]:
+        """Role of each recorded query position."""
+        return list(self.meta["query_roles"])
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """``(n_positions,)`` int64 token ids of the stored positions."""
+        return np.asarray(self.meta["token_ids"], dtype=np.int64)
+
+    def _file(self) -> TensorFile:
+        if self._tensors is None:
+            self._tensors = TensorFile(self.path, self.file)
+        return self._tensors
+
+    def _read(self, kind: str, field: str, layer: int, head: int, n_heads: int,
+              shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        m = self.model
+        layer = _check_index(layer, m.n_layers, "layer")
+        head_word = "kv head" if kind in ("k", "v") else "head"
+        head = _check_index(head, n_heads, head_word)
+        what = f"field {field!r} of layer {layer} {head_word} {head}"
+        return self._file().read(tensor_name(kind, layer, head), shape, dtype, what)
+
+    def keys(self, layer: int, kv_head: int) -> np.ndarray:
+        """``(n_positions, head_dim)`` post-RoPE keys of one KV head, in the storage dtype."""
+        m = self.model
+        return self._read("k", "keys", layer, kv_head, m.n_kv_heads,
+                          (self.n_positions, m.head_dim), m.dtype)
+
+    def values(self, layer: int, kv_head: int) -> np.ndarray:
+        """``(n_positions, head_dim)`` values of one KV head, in the storage dtype."""
+        m = self.model
+        return self._read("v", "values", layer, kv_head, m.n_kv_heads,
+                          (self.n_positions, m.head_dim), m.dtype)
+
+    def queries(self, layer: int, head: int) -> np.ndarray:
+        """``(n_query, head_dim)`` post-RoPE queries of one query head at ``query_positions``."""
+        m = self.model
+        return self._read("q", "queries", layer, head, m.n_heads,
+                          (self.n_query, m.head_dim), m.dtype)
+
+    def outputs(self, layer: int, head: int) -> np.ndarray:
+        """``(n_query, head_dim)`` full-cache attention outputs of one head, before o_proj."""
+        m = self.model
+        return self._read("o", "outputs", layer, head, m.n_heads,
+                          (self.n_query, m.head_dim), m.dtype)
+
+    def h2o_scores(self, layer: int, head: int) -> np.ndarray:
+        """``(n_positions,)`` float32 post-softmax attention each key got from prefill queries."""
+        return self._read("h2o", "h2o", layer, head, self.model.n_heads,
+                          (self.n_positions,), "float32")
+
+    def close(self) -> None:
+        """Drop the file handle (arrays already returned stay valid)."""
+        self._tensors = None
+
+
+class TraceStore:
+    """A trace store opened for reading; see :func:`open_store`.
+
+    Attributes
+    ----------
+    path : Path
+    model : ModelMeta
+    manifest : pyarrow.Table
+        One row per finished sequence (columns in ``docs/trace-format.md``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise StoreError(f"{self.path}: not a directory, expected a trace store")
+        self.model, self._model_json = read_model_json(self.path)
+        self.manifest: pa.Table = read_manifest(self.path)
+        ids = self.manifest.column("sequence_id").to_pylist()
+        self._row_of = {sid: i for i, sid in enumerate(ids)}
+        if len(self._row_of) != len(ids):
+            raise StoreError(f"{self.path / MANIFEST_FILE}: field 'sequence_id' has duplicates, "
+                             "expected unique ids")
+        self._ids = ids
+        self._o_proj: TensorFile | None = None
+
+    def __repr__(self) -> str:
+        return f"TraceStore({str(self.path)!r}, {len(self)} sequences, {self.model.model_id!r})"
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def sequence_ids(self) -> list[str]:
+        """Ids of the stored sequences, in manifest order."""
+        return list(self._ids)
+
+    def __contains__(self, sequence_id: object) -> bool:
+        return sequence_id in self._row_of
+
+    def __getitem__(self, sequence_id: str) -> TraceSequence:
+        try:
+            i = self._row_of[sequence_id]
+        except KeyError:
+            raise KeyError(f"{self.path}: no sequence {sequence_id!r}") from None
+        meta = self.manifest.slice(i, 1).to_pylist()[0]
+        return TraceSequence(self.model, self.path, meta)
+
+    def __iter__(self) -> Iterator[TraceSequence]:
+        for sequence_id in self._ids:
+            yield self[sequence_id]
+
+    @property
+    def has_o_proj(self) -> bool:
+        """Whether the o_proj weights are stored."""
+        return self._model_json.get("o_proj") is not None
+
+    def o_proj(self, layer: int) -> np.ndarray | None:
+        """``(hidden_size, n_heads * head_dim)`` float32 o_proj weight of ``layer``, or None.
+
+        Zero-copy, read-only view of ``o_proj.arrow``; ``None`` if the store has no o_proj.
+        """
+        if not self.has_o_proj:
+            return None
+        m = self.model
+        layer = _check_index(layer, m.n_layers, "layer")
+        if self._o_proj is None:
+            self._o_proj = TensorFile(self.path / O_PROJ_FILE, O_PROJ_FILE)
+        return self._o_proj.read(tensor_name("o_proj", layer),
+                                 (m.hidden_size, m.n_heads * m.head_dim), "float32",
+                                 f"field 'o_proj' of layer {layer}")
+
+
+def open_store(path: str | os.PathLike[str]) -> TraceStore:
+    """Open a trace store for reading.
+
+    Parameters
+    ----------
+    path : str or Path
+        Store directory.
+
+    Returns
+    -------
+    TraceStore
+
+    Raises
+    ------
+    StoreError
+        If the directory, ``model.json`` or ``manifest.parquet`` is missing or invalid.
+    """
+    return TraceStore(path)
