@@ -26,10 +26,14 @@ from tracesim.designs import (
 )
 from tracesim.estimators import AttentionEstimate, full_attention, hajek_attention
 from tracesim.prn import permanent_uniforms
+from tracesim.store import ModelMeta, TraceStore, TraceWriter, open_store, validate_store
 
 __all__ = [
     "AttentionEstimate",
     "Bernoulli",
+    "ModelMeta",
+    "TraceStore",
+    "TraceWriter",
     "Design",
     "OrderSampling",
     "OutputSpaceCertificate",
@@ -41,17 +45,11 @@ __all__ = [
     "hajek_attention",
     "inclusion_probabilities",
     "make_design",
+    "open_store",
     "output_space_certificate",
     "permanent_uniforms",
     "satterthwaite_covered",
+    "validate_store",
     "wald_covered",
 ]
 
-
-def __getattr__(name: str):  # pragma: no cover - thin lazy loader
-    # The store is imported lazily so `import tracesim` stays light.
-    if name in ("open_store", "TraceStore", "TraceWriter"):
-        from tracesim import store
-
-        return getattr(store, name)
-    raise AttributeError(f"module 'tracesim' has no attribute {name!r}")
