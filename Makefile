@@ -23,11 +23,11 @@ $(VENV)/.installed: $(VENV)/.created pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m ruff check tracesim capture analysis tests benchmarks
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 lint: venv
-	$(PY) -m ruff check tracesim capture analysis tests benchmarks
+	$(PY) -m ruff check .
 
 demo: venv
 	$(VENV)/bin/tracesim demo
