@@ -135,3 +135,35 @@ def test_holm_matches_definition():
     assert out["C1"] == (pytest.approx(0.03), True)
     assert out["C3"][0] == pytest.approx(0.06) and not out["C3"][1]
     assert out["C2"][0] == pytest.approx(0.06)
+
+
+def test_prereg_loads_validates_and_guards_its_hash(tmp_path):
+    from pathlib import Path
+
+    from analysis.prereg import (
+        PreregChangedError,
+        check_prereg_hash,
+        load_prereg,
+    )
+
+    src = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
+    pre = load_prereg(src)
+    assert set(pre.claims) == {f"C{i}" for i in range(8)}
+    assert pre.claims["C1"]["primary_event"] == "wald" and pre.claim_alpha("C2") == 0.05
+    assert check_prereg_hash(pre, pre.sha256)
+    copy = tmp_path / "prereg.yaml"
+    copy.write_text(src.read_text().replace("margin: 0.02 ", "margin: 0.03 "))
+    changed = load_prereg(copy)
+    with pytest.raises(PreregChangedError, match="changed after the results"):
+        check_prereg_hash(changed, pre.sha256)
+    assert check_prereg_hash(changed, pre.sha256, allow_change=True) is False
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(src.read_text().replace("primary_event: wald", "primary_event: nope"))
+    with pytest.raises(ValueError, match=r"bad.yaml: claims.C1.primary_event"):
+        load_prereg(bad)
+    bad.write_text("alpha: 2\nclaims: {}\n")
+    with pytest.raises(ValueError, match=r"alpha: expected a number in \(0, 1\)"):
+        load_prereg(bad)
+    bad.write_text("!!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_prereg(bad)

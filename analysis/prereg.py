@@ -1,0 +1,114 @@
+"""The pre-registration file: loading, validation and the hash that ties results to it."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["CLAIM_IDS", "PreregChangedError", "Preregistration", "check_prereg_hash",
+           "load_prereg", "prereg_hash"]
+
+CLAIM_IDS = ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C7")
+_REQUIRED = ("hypothesis", "metric", "compare", "test", "verdict")
+_EVENTS = ("wald", "satterthwaite")
+_CERTIFICATES = ("primary", "small_sample")
+
+
+class PreregChangedError(RuntimeError):
+    """The pre-registration changed after the results were produced."""
+
+
+@dataclass(frozen=True)
+class Preregistration:
+    """A validated pre-registration: global settings plus one dict per claim."""
+
+    path: Path
+    sha256: str
+    alpha: float
+    multiplicity: str
+    claims: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def claim_alpha(self, claim: str) -> float:
+        return float(self.claims[claim].get("alpha", self.alpha))
+
+
+def prereg_hash(path: str | Path) -> str:
+    """``sha256:<hex>`` of the file's bytes (what results summaries record)."""
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_prereg(path: str | Path) -> Preregistration:
+    """Load and validate a pre-registration file (``yaml.safe_load``; nothing is executed).
+
+    Raises
+    ------
+    ValueError
+        Naming the file and the key on any problem.
+    """
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: pre-registration file not found") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+
+    def fail(key: str, message: str) -> None:
+        raise ValueError(f"{path}: {key}: {message}")
+
+    alpha = doc.get("alpha")
+    if not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        fail("alpha", f"expected a number in (0, 1), got {alpha!r}")
+    if doc.get("multiplicity", "holm") != "holm":
+        fail("multiplicity", f"only 'holm' is supported, got {doc.get('multiplicity')!r}")
+    claims = doc.get("claims")
+    if not isinstance(claims, dict) or not claims:
+        fail("claims", "expected a non-empty mapping of claim id to claim")
+    for cid, claim in claims.items():
+        if cid not in CLAIM_IDS:
+            fail(f"claims.{cid}", f"unknown claim id; expected one of {list(CLAIM_IDS)}")
+        if not isinstance(claim, dict):
+            fail(f"claims.{cid}", "expected a mapping")
+        for key in _REQUIRED:
+            if key not in claim:
+                fail(f"claims.{cid}.{key}", "missing")
+        a = claim.get("alpha", alpha)
+        if not isinstance(a, (int, float)) or not 0 < a < 1:
+            fail(f"claims.{cid}.alpha", f"expected a number in (0, 1), got {a!r}")
+        if "margin" in claim and (not isinstance(claim["margin"], (int, float))
+                                  or claim["margin"] < 0):
+            fail(f"claims.{cid}.margin", f"expected a non-negative number, got {claim['margin']!r}")
+    missing = [c for c in CLAIM_IDS if c not in claims]
+    if missing:
+        fail("claims", f"every claim must be pre-registered; missing {missing}")
+    c1 = claims["C1"]
+    if c1.get("primary_event") not in _EVENTS:
+        fail("claims.C1.primary_event", f"expected one of {list(_EVENTS)}")
+    if c1.get("certificate") not in _CERTIFICATES:
+        fail("claims.C1.certificate", f"expected one of {list(_CERTIFICATES)}")
+    if not isinstance(c1.get("nominal"), (int, float)) or not 0 < c1["nominal"] < 1:
+        fail("claims.C1.nominal", "expected a number in (0, 1)")
+    return Preregistration(path=path, sha256=prereg_hash(path), alpha=float(alpha),
+                           multiplicity="holm", claims=dict(claims))
+
+
+def check_prereg_hash(prereg: Preregistration, recorded: str | None, *,
+                      allow_change: bool = False) -> bool:
+    """Compare the file's hash with the one recorded in a results summary.
+
+    Returns True when they match. Raises :class:`PreregChangedError` on a mismatch (or a missing
+    record) unless ``allow_change``, in which case it returns False so the report can say so.
+    """
+    if recorded == prereg.sha256:
+        return True
+    if allow_change:
+        return False
+    raise PreregChangedError(
+        f"{prereg.path} changed after the results were produced (recorded {recorded}, now "
+        f"{prereg.sha256}); rerun the study, or pass --allow-prereg-change to report anyway")
