@@ -1,0 +1,97 @@
+"""``tracesim capture``: record attention traces of a Hugging Face model on generated tasks.
+
+This module must stay importable without torch (``tracesim --help`` works without it); the heavy
+imports happen inside :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+_TASKS = ("passkey", "multikey", "vartrack", "kvret")  # mirrors capture.tasks.TASKS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``capture`` subcommand."""
+    p = subparsers.add_parser(
+        "capture",
+        help="record attention traces of a model on generated long-context tasks",
+        description="Run generated RULER-style tasks through a Hugging Face causal LM with the "
+        "recording attention hook and write a trace store. Resumable: sequences already in the "
+        "store are skipped.",
+    )
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (default) or a local transformers checkpoint directory")
+    p.add_argument("--tasks", default="passkey",
+                   help=f"comma-separated task names from {', '.join(_TASKS)} (default passkey)")
+    p.add_argument("--n", type=int, default=16, help="instances per task (default 16)")
+    p.add_argument("--length", type=int, default=1024,
+                   help="target prompt length in tokens (default 1024)")
+    p.add_argument("--out", required=True, help="trace store directory (created or resumed)")
+    p.add_argument("--dtype", choices=("float16", "float32"), default="float16",
+                   help="storage dtype of tensors (default float16; float32 for exact replay)")
+    p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="generation budget (default: each task's own)")
+    p.add_argument("--window", type=int, default=32,
+                   help="observation window length w for the context/question windows")
+    p.add_argument("--all-positions", action="store_true",
+                   help="record Q and outputs at every position (large)")
+    p.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
+    p.add_argument("--depth", type=float, default=None,
+                   help="fixed needle depth in [0, 1] (default: drawn per instance)")
+    p.add_argument("--no-o-proj", action="store_true",
+                   help="do not store the o_proj weights (saves n_layers*hidden*hidden*4 bytes)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``tracesim capture``; returns the exit code."""
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in _TASKS]
+    if unknown or not tasks:
+        print(f"tracesim capture: unknown task(s) {unknown}; expected some of {', '.join(_TASKS)}")
+        return 2
+    if args.n < 1 or args.length < 1 or args.window < 1:
+        print("tracesim capture: --n, --length and --window must be positive")
+        return 2
+    if args.depth is not None and not 0.0 <= args.depth <= 1.0:
+        print("tracesim capture: --depth must lie in [0, 1]")
+        return 2
+
+    import torch
+
+    from capture.runner import CaptureConfig, accuracy_table, run_capture
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    compute = None if args.compute_dtype == "auto" else args.compute_dtype
+    summary = run_capture(
+        args.model,
+        tasks,
+        args.n,
+        args.length,
+        args.out,
+        storage_dtype=args.dtype,
+        device=device,
+        compute_dtype=compute,
+        seed=args.seed,
+        depth=args.depth,
+        config=CaptureConfig(
+            window=args.window,
+            all_positions=args.all_positions,
+            max_new_tokens=args.max_new_tokens,
+        ),
+        store_o_proj=not args.no_o_proj,
+        progress=not args.quiet,
+    )
+    print(f"wrote {len(summary.written)} sequence(s), skipped {len(summary.skipped)} already "
+          f"stored, into {args.out}")
+    if summary.written:
+        print("full-cache accuracy of the sequences written now:")
+        print(accuracy_table(summary.correct))
+    return 0

@@ -1,0 +1,124 @@
+"""Greedy generation with an explicit loop (``generate()`` rejects the keyword arguments we need).
+
+Prefill runs in query chunks against a :class:`~transformers.DynamicCache`, then one token per
+step with explicit ``position_ids``. Every generated token's log-probability under the full cache
+is kept. The last generated token is never fed back, so the fed positions (whose K/V a trace
+stores) are the prompt plus all generated tokens but the last.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from capture.attention import CaptureState
+
+
+@dataclass
+class Generation:
+    """Result of :func:`greedy_generate`.
+
+    Attributes
+    ----------
+    fed_ids : list of int
+        Every position fed to the model: prompt, then generated tokens but the last.
+    generated_ids : list of int
+        Greedy tokens, the EOS token included when generation stopped on it.
+    logprobs : list of float
+        Log-probability of each generated token under the full-cache model, parallel to
+        ``generated_ids``.
+    stopped_on_eos : bool
+        Whether the last generated token is an EOS token.
+    """
+
+    fed_ids: list[int]
+    generated_ids: list[int]
+    logprobs: list[float]
+    stopped_on_eos: bool
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    # transformers 5.24 renamed ``past_key_values`` to ``cache``; older 5.x only know the former.
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _forward(model, ids: torch.Tensor, start: int, cache, cache_kw: str, state) -> torch.Tensor:
+    """Feed ``ids`` (``(n,)``) at positions ``start..start+n-1``; return last-position logits."""
+    stop = start + ids.numel()
+    if state is not None:
+        state.begin_step(start, stop)
+    positions = torch.arange(start, stop, device=ids.device)[None]
+    out = model(
+        input_ids=ids[None],
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kw: cache},
+    )
+    return out.logits[0, -1]
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Iterable[int] = (),
+    *,
+    state: CaptureState | None = None,
+    prefill_chunk: int = 2048,
+) -> Generation:
+    """Greedy decoding of one prompt (batch size 1).
+
+    Parameters
+    ----------
+    model : transformers causal LM
+        Any attention implementation; to record, load it with ``CAPTURE_ATTN`` and run this inside
+        :func:`capture.attention.recording` with the same ``state``.
+    prompt_ids : sequence of int
+        ``(prompt_length,)`` token ids.
+    max_new_tokens : int
+        At most this many tokens are generated (>= 1).
+    eos_ids : iterable of int
+        Generation stops after emitting any of these.
+    state : CaptureState, optional
+        Told which positions each forward feeds, so recording can check the cache.
+    prefill_chunk : int
+        Prompt tokens per prefill forward; bounds the ``(H, chunk, kv_len)`` attention memory.
+
+    Returns
+    -------
+    Generation
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt_ids) == 0:
+        raise ValueError("empty prompt")
+    device = next(model.parameters()).device
+    eos = {int(t) for t in eos_ids}
+    cache = DynamicCache(config=model.config)
+    cache_kw = _cache_kwarg(model)
+    prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+    logits = None
+    for start in range(0, prompt.numel(), prefill_chunk):
+        chunk = prompt[start : start + prefill_chunk]
+        logits = _forward(model, chunk, start, cache, cache_kw, state)
+    fed = [int(t) for t in prompt_ids]
+    generated: list[int] = []
+    logprobs: list[float] = []
+    while True:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        token = int(torch.argmax(logp))
+        generated.append(token)
+        logprobs.append(float(logp[token]))
+        if token in eos or len(generated) >= max_new_tokens:
+            break
+        ids = torch.tensor([token], dtype=torch.long, device=device)
+        logits = _forward(model, ids, len(fed), cache, cache_kw, state)
+        fed.append(token)
+    return Generation(fed, generated, logprobs, bool(generated[-1] in eos))

