@@ -1,0 +1,111 @@
+"""Eviction policies as score × design × correction (+ budget and schedule).
+
+=============  ====================================================  ======================
+score          rule                                                  non-negative transform
+=============  ====================================================  ======================
+``streaming``  position only: sinks + most recent                    ``position + 1``
+``h2o``        accumulated prefill attention (+ decode steps)        mass, as is
+``snapkv``     window queries' attention, pooled (k=5, avg/max)      mass, as is
+``tova``       the last query's attention, mean over the group       mass, as is
+``knorm``      ``-‖k‖`` (small key norm = important)                 ``exp(-(‖k‖-min)/tau)``
+``vnorm``      largest ``‖v‖`` take-all, design over the rest        ``‖v‖``, as is
+``keyformer``  Gumbel-perturbed accumulated attention                ``h2o · exp(tau g)``
+``random``     uniform noise (naive baseline, uncorrected)           ``u`` in (0, 1)
+``full``       no eviction (the reference)                           —
+=============  ====================================================  ======================
+
+Build policies with :func:`make_policy` (or :class:`Policy` directly) and grids with
+:func:`policy_grid`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tracesim.budgets import Budget
+from tracesim.designs import Design, make_design
+from tracesim.policies.base import Score, take_all_mask
+from tracesim.policies.context import LayerTrace
+from tracesim.policies.full import FullScore
+from tracesim.policies.h2o import H2OScore
+from tracesim.policies.keyformer import KeyformerScore
+from tracesim.policies.knorm import KNormScore
+from tracesim.policies.policy import CORRECTIONS, POLICY_COLUMNS, Policy
+from tracesim.policies.snapkv import SnapKVScore
+from tracesim.policies.streaming import StreamingScore
+from tracesim.policies.tova import TOVAScore
+from tracesim.policies.uniform import RandomScore
+from tracesim.policies.vnorm import VNormScore
+from tracesim.schedules import Schedule
+
+__all__ = [
+    "CORRECTIONS", "POLICY_COLUMNS", "SCORES", "FullScore", "H2OScore", "KNormScore",
+    "KeyformerScore", "LayerTrace", "Policy", "RandomScore", "Score", "SnapKVScore",
+    "StreamingScore", "TOVAScore", "VNormScore", "make_policy", "make_score", "policy_grid",
+    "take_all_mask",
+]
+
+SCORES: dict[str, type[Score]] = {cls.name: cls for cls in (
+    StreamingScore, H2OScore, SnapKVScore, TOVAScore, KNormScore, VNormScore, KeyformerScore,
+    RandomScore, FullScore)}
+
+
+def make_score(name: str, **params: Any) -> Score:
+    """Build a score from its registry name and hyperparameters."""
+    try:
+        cls = SCORES[name]
+    except KeyError:
+        raise ValueError(f"unknown score {name!r}; expected one of {sorted(SCORES)}") from None
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(f"score {name!r}: {exc}") from None
+
+
+def make_policy(
+    score: str | Score,
+    design: str | Design = "topk",
+    budget: float | Budget = 0.25,
+    *,
+    correction: str = "auto",
+    schedule: str | Schedule = "oneshot",
+    score_params: dict[str, Any] | None = None,
+    design_params: dict[str, Any] | None = None,
+) -> Policy:
+    """Convenience constructor: ``make_policy("snapkv", "poisson", 0.25)``.
+
+    A float ``budget`` is a fraction if <= 1, else a token count; a ``schedule`` string is
+    ``"oneshot"`` or ``"decode"`` / ``"decode:K"`` (every K steps).
+    """
+    if isinstance(score, str):
+        score = make_score(score, **(score_params or {}))
+    if isinstance(design, str):
+        design = make_design(design, **(design_params or {}))
+    if not isinstance(budget, Budget):
+        value = float(budget)
+        budget = Budget(value) if value <= 1.0 else Budget(int(value), unit="tokens")
+    if isinstance(schedule, str):
+        kind, _, every = schedule.partition(":")
+        schedule = Schedule(kind, int(every)) if every else Schedule(kind)
+    return Policy(score=score, design=design, correction=correction, budget=budget,
+                  schedule=schedule)
+
+
+def policy_grid(
+    scores: list[str], designs: list[str], budgets: list[float], *,
+    correction: str = "auto", schedule: str | Schedule = "oneshot",
+    allocator: str = "uniform", design_params: dict[str, dict[str, Any]] | None = None,
+    score_params: dict[str, dict[str, Any]] | None = None,
+) -> list[Policy]:
+    """Every score × design × budget combination (``full`` once), deduplicated by id."""
+    out: dict[str, Policy] = {}
+    for s in scores:
+        for dname in designs:
+            for b in budgets:
+                value = float(b)
+                budget = Budget(value, "fraction" if value <= 1 else "tokens", allocator)
+                p = make_policy(s, dname, budget, correction=correction, schedule=schedule,
+                                score_params=(score_params or {}).get(s),
+                                design_params=(design_params or {}).get(dname))
+                out.setdefault(p.id, p)
+    return list(out.values())

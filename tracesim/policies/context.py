@@ -1,0 +1,141 @@
+"""What a score may look at: one layer of one sequence, in float64, with cached attention rows.
+
+:class:`LayerTrace` is built by the replay engine from a trace store (or directly from arrays in
+tests and in the impossibility demo). Scores receive it and never touch the store themselves, so
+memory stays bounded by one layer's tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tracesim.prn import STREAM_PERTURBATION, permanent_uniforms
+
+__all__ = ["LayerTrace"]
+
+
+@dataclass
+class LayerTrace:
+    """One layer of one sequence, ready for scoring and replay.
+
+    Attributes
+    ----------
+    layer : int
+    keys, values : ndarray of float64, shape (n_kv_heads, n_positions, head_dim)
+        Post-RoPE keys and values of every stored position.
+    queries : ndarray of float64, shape (n_heads, n_query, head_dim)
+        Queries at ``query_positions`` (every stored query position, all roles).
+    outputs : ndarray of float64, shape (n_heads, n_query, head_dim), or None
+        The model's stored full-cache outputs (checked against the float64 recomputation).
+    h2o : ndarray of float64, shape (n_heads, n_positions)
+        Accumulated post-softmax attention each key received from the prefill queries.
+    query_positions : ndarray of int64, shape (n_query,)
+    query_roles : list of str, length n_query
+    prompt_length, question_start : int
+        Token positions (see ``docs/trace-format.md``).
+    scale : float
+        Softmax scale of the model.
+    o_proj : ndarray of float64, shape (hidden, n_heads * head_dim), or None
+    sequence_id : str
+    meta : dict
+        The manifest row (task, correctness, ...), passed through to results.
+    """
+
+    layer: int
+    keys: np.ndarray
+    values: np.ndarray
+    queries: np.ndarray
+    h2o: np.ndarray
+    query_positions: np.ndarray
+    query_roles: list[str]
+    prompt_length: int
+    question_start: int
+    scale: float
+    outputs: np.ndarray | None = None
+    o_proj: np.ndarray | None = None
+    sequence_id: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    _attention_cache: dict[tuple[int, int], np.ndarray] = field(
+        default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        n_kv, P, d = self.keys.shape
+        H = self.queries.shape[0]
+        if self.values.shape != (n_kv, P, d):
+            raise ValueError(f"values has shape {self.values.shape}, expected {(n_kv, P, d)}")
+        if H % n_kv:
+            raise ValueError(f"{H} query heads cannot share {n_kv} KV heads evenly")
+        if self.queries.shape[1:] != (self.query_positions.size, d):
+            raise ValueError("queries must have shape (n_heads, n_query, head_dim)")
+        if self.h2o.shape != (H, P):
+            raise ValueError(f"h2o has shape {self.h2o.shape}, expected {(H, P)}")
+        if len(self.query_roles) != self.query_positions.size:
+            raise ValueError("query_roles must be parallel to query_positions")
+        if not 1 <= self.prompt_length <= P:
+            raise ValueError(f"prompt_length = {self.prompt_length} outside [1, {P}]")
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.queries.shape[0]
+
+    @property
+    def n_positions(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def group(self, kv_head: int) -> range:
+        """Query heads sharing ``kv_head``."""
+        G = self.group_size
+        return range(kv_head * G, (kv_head + 1) * G)
+
+    def role_indices(self, role: str, before: int | None = None) -> np.ndarray:
+        """Indices into ``query_positions`` of the ``role`` queries, optionally ``< before``."""
+        idx = np.array([i for i, r in enumerate(self.query_roles) if r == role], dtype=np.int64)
+        if before is not None and idx.size:
+            idx = idx[self.query_positions[idx] < before]
+        return idx
+
+    def indices_before(self, end: int) -> np.ndarray:
+        """Indices of every stored query at a position ``< end``."""
+        return np.flatnonzero(self.query_positions < end)
+
+    def attention(self, head: int, index: int) -> np.ndarray:
+        """Full-cache softmax attention of stored query ``index`` of ``head``, shape (P,).
+
+        Causal: zero beyond the query's position. Float64, cached per (head, index).
+        """
+        key = (head, int(index))
+        row = self._attention_cache.get(key)
+        if row is None:
+            g = head // self.group_size
+            pos = int(self.query_positions[index])
+            s = self.keys[g, :pos + 1] @ self.queries[head, index] * self.scale
+            w = np.exp(s - s.max())
+            row = np.zeros(self.n_positions)
+            row[:pos + 1] = w / w.sum()
+            self._attention_cache[key] = row
+        return row
+
+    def group_attention(self, kv_head: int, indices: np.ndarray) -> np.ndarray:
+        """Mean attention over the group's heads and the given queries, shape (P,)."""
+        acc = np.zeros(self.n_positions)
+        heads = self.group(kv_head)
+        for h in heads:
+            for i in indices:
+                acc += self.attention(h, int(i))
+        return acc / max(1, len(heads) * len(indices))
+
+    def perturbation_uniforms(self, seed: int, kv_head: int, end: int) -> np.ndarray:
+        """Permanent uniforms of stream 1 (perturbations) for positions ``[0, end)``."""
+        return permanent_uniforms(seed, self.layer, kv_head, np.arange(end),
+                                  stream=STREAM_PERTURBATION)

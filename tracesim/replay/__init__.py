@@ -1,0 +1,161 @@
+"""Replay eviction policies over recorded traces, without re-running the model.
+
+>>> from tracesim.store import open_store
+>>> from tracesim.policies import policy_grid
+>>> table = replay(open_store("traces/"), policy_grid(["snapkv"], ["topk", "poisson"],
+...                [0.25]), seeds=64)                                    # doctest: +SKIP
+
+For each (sequence, layer) the engine loads the layer's K/V/Q in float64, computes the logits
+and the full-cache outputs once, builds every policy's inclusion probabilities, and replays all
+(policy, seed) pairs in one compiled parallel loop. See ``docs/replay.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from tracesim.policies import LayerTrace, Policy
+from tracesim.replay.engine import LayerResult, ReplayOptions, evaluated_queries, replay_layer
+from tracesim.replay.results import METRICS, RESULT_COLUMNS, layer_batch
+
+__all__ = [
+    "METRICS", "RESULT_COLUMNS", "LayerResult", "ReplayOptions", "evaluated_queries",
+    "iter_replay", "layer_batch", "load_layer", "replay", "replay_layer", "result_schema",
+]
+
+
+def result_schema() -> pa.Schema:
+    """Arrow schema of replay results."""
+    return pa.schema([pa.field(n, t) for n, t in RESULT_COLUMNS.items()])
+
+
+def load_layer(store, seq, layer: int) -> LayerTrace:
+    """Read one layer of one sequence from a trace store into a float64 :class:`LayerTrace`."""
+    m = store.model
+    meta = dict(seq.meta)
+    f64 = np.float64
+    o_proj = store.o_proj(layer)
+    return LayerTrace(
+        layer=int(layer),
+        keys=np.stack([np.asarray(seq.keys(layer, g), dtype=f64) for g in range(m.n_kv_heads)]),
+        values=np.stack([np.asarray(seq.values(layer, g), dtype=f64)
+                         for g in range(m.n_kv_heads)]),
+        queries=np.stack([np.asarray(seq.queries(layer, h), dtype=f64)
+                          for h in range(m.n_heads)]),
+        outputs=np.stack([np.asarray(seq.outputs(layer, h), dtype=f64)
+                          for h in range(m.n_heads)]),
+        h2o=np.stack([np.asarray(seq.h2o_scores(layer, h), dtype=f64)
+                      for h in range(m.n_heads)]),
+        query_positions=np.asarray(seq.query_positions, dtype=np.int64),
+        query_roles=list(seq.query_roles),
+        prompt_length=int(meta["prompt_length"]),
+        question_start=int(meta["question_start"]),
+        scale=float(m.scaling),
+        o_proj=None if o_proj is None else np.asarray(o_proj, dtype=f64),
+        sequence_id=str(seq.sequence_id),
+        meta=meta,
+    )
+
+
+def _seeds(seeds: int | Sequence[int]) -> np.ndarray:
+    if isinstance(seeds, (int, np.integer)):
+        if seeds < 1:
+            raise ValueError(f"seeds = {seeds}: expected at least 1")
+        return np.arange(int(seeds), dtype=np.int64)
+    arr = np.asarray(list(seeds), dtype=np.int64)
+    if arr.ndim != 1 or arr.size == 0 or np.unique(arr).size != arr.size:
+        raise ValueError("seeds must be a positive int or a non-empty list of distinct ints")
+    return arr
+
+
+def iter_replay(
+    store,
+    configs: Iterable[Policy],
+    *,
+    seeds: int | Sequence[int] = 32,
+    layers: Sequence[int] | None = None,
+    sequences: Sequence[str] | None = None,
+    per_seed: bool = False,
+    progress: bool = True,
+    options: ReplayOptions | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """Replay lazily: one record batch per (sequence, layer). Arguments as :func:`replay`."""
+    policies = list(configs)
+    if not policies or not all(isinstance(p, Policy) for p in policies):
+        raise ValueError("configs must be a non-empty list of Policy objects")
+    ids = [p.id for p in policies]
+    if len(set(ids)) != len(ids):
+        raise ValueError("configs contain duplicate policies (same id)")
+    seed_arr = _seeds(seeds)
+    n_layers = store.model.n_layers
+    layer_list = list(range(n_layers)) if layers is None else [int(x) for x in layers]
+    for layer in layer_list:
+        if not 0 <= layer < n_layers:
+            raise ValueError(f"layer {layer} outside [0, {n_layers})")
+    seq_ids = list(store.sequence_ids) if sequences is None else list(sequences)
+    missing = [s for s in seq_ids if s not in store]
+    if missing:
+        raise ValueError(f"sequences not in the store: {missing[:5]}")
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(seq_ids) * len(layer_list), unit="layer", desc="replay")
+    try:
+        for sid in seq_ids:
+            seq = store[sid]
+            for layer in layer_list:
+                trace = load_layer(store, seq, layer)
+                result = replay_layer(trace, policies, seed_arr, n_layers, options)
+                yield layer_batch(result, per_seed=per_seed)
+                if bar is not None:
+                    bar.update(1)
+            seq.close()
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def replay(
+    store,
+    configs: Iterable[Policy],
+    seeds: int | Sequence[int] = 32,
+    layers: Sequence[int] | None = None,
+    sequences: Sequence[str] | None = None,
+    per_seed: bool = False,
+    progress: bool = True,
+    options: ReplayOptions | None = None,
+) -> pa.Table:
+    """Replay policies over a trace store and return the results table.
+
+    Parameters
+    ----------
+    store : tracesim.store.TraceStore or path
+        An open store (or a path given to :func:`tracesim.store.open_store`).
+    configs : iterable of Policy
+        Policies to replay (see :func:`tracesim.policies.policy_grid`).
+    seeds : int or sequence of int, default 32
+        Number of seeds (``0..n-1``) or the seeds themselves. Deterministic policies use one.
+    layers, sequences : optional
+        Subsets of layers / sequence ids (default: all).
+    per_seed : bool, default False
+        One row per seed instead of aggregating over seeds.
+    progress : bool, default True
+        Show a tqdm progress bar over (sequence, layer).
+    options : ReplayOptions, optional
+
+    Returns
+    -------
+    pyarrow.Table
+        Columns :data:`RESULT_COLUMNS` (documented in ``docs/replay.md``).
+    """
+    if isinstance(store, (str, bytes)) or hasattr(store, "__fspath__"):
+        from tracesim.store import open_store
+
+        store = open_store(store)
+    batches = list(iter_replay(store, configs, seeds=seeds, layers=layers, sequences=sequences,
+                               per_seed=per_seed, progress=progress, options=options))
+    return pa.Table.from_batches(batches, schema=result_schema())
