@@ -25,6 +25,17 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from tracesim.kernels.replay_events import (
+    S_ELIG_MASS,
+    S_EV_MASS,
+    S_EV_MAX,
+    S_N_ELIG,
+    S_POP,
+    estimate_block,
+    gather_kept,
+    largest_sampled_out,
+)
+
 # Fields of ``out[iteration, head, query, :]``.
 F_ERR2, F_REL, F_CERT2, F_CERT2_SMALL, F_TAIL, F_NEFF, F_WALD, F_WALD_T, F_TRV2 = range(9)
 F_KEPT, F_EXPECTED, F_POP, F_OUT_MASS, F_OUT_MAX, F_EV_MASS, F_EV_MAX, F_EVENT = range(9, 17)
@@ -38,94 +49,9 @@ _NS = 9
 
 
 @nb.njit(cache=True)
-def gather_kept(pi_row, u_row, kmask_row, use_mask, tau, keptflag, kept_idx):
-    """Kept positions into ``kept_idx``: tail (pi < 1) first, then take-all, ascending.
-
-    Returns ``(m_tail, m, kept_before_tau, expected_before_tau)``.
-    """
-    P = pi_row.size
-    mt = 0
-    for p in range(P):
-        pv = pi_row[p]
-        k = (kmask_row[p] != 0) if use_mask else (u_row[p] < pv)
-        keptflag[p] = k
-        if k and pv < 1.0:
-            kept_idx[mt] = p
-            mt += 1
-    m = mt
-    kb = 0
-    ex = 0.0
-    for p in range(P):
-        if keptflag[p]:
-            if pi_row[p] >= 1.0:
-                kept_idx[m] = p
-                m += 1
-            if p < tau:
-                kb += 1
-        if p < tau:
-            ex += pi_row[p]
-    return mt, m, kb, ex
-
-
-@nb.njit(cache=True)
-def estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv):
-    """Hájek numerators and normalisers of the group's heads for the given queries.
-
-    Returns ``(We (R, m), Vk (m, d), X (R, d), Z (R,))`` with row ``r = a * G + hh``. Both the
-    truth and every policy go through this function, so ``full`` reproduces the truth bit for
-    bit.
-    """
-    nqe = qrows.size
-    d = Vg.shape[1]
-    R = nqe * G
-    Vk = np.empty((m, d))
-    for j in range(m):
-        p = kept_idx[j]
-        for k in range(d):
-            Vk[j, k] = Vg[p, k]
-    We = np.empty((R, m))
-    Z = np.zeros(R)
-    for a in range(nqe):
-        q = qrows[a]
-        for hh in range(G):
-            h = g * G + hh
-            r = a * G + hh
-            z = 0.0
-            for j in range(m):
-                w = E[h, q, kept_idx[j]] * inv[j]
-                We[r, j] = w
-                z += w
-            Z[r] = z
-    if R > 0 and m > 0:
-        X = np.dot(We, Vk)
-    else:
-        X = np.zeros((R, d))
-    return We, Vk, X, Z
-
-
-@nb.njit(cache=True, parallel=True)
-def truth_kernel(E, V, qrows, truth, zfull):
-    """Full-cache outputs (H, NQ, d) and normalisers (H, NQ) through :func:`estimate_block`."""
-    H = E.shape[0]
-    n_kv, P, d = V.shape
-    G = H // n_kv
-    for g in nb.prange(n_kv):
-        kept_idx = np.arange(P)
-        inv = np.ones(P)
-        We, Vk, X, Z = estimate_block(E, V[g], qrows, g, G, kept_idx, P, inv)
-        for a in range(qrows.size):
-            q = qrows[a]
-            for hh in range(G):
-                r = a * G + hh
-                for k in range(d):
-                    truth[g * G + hh, q, k] = X[r, k] / Z[r]
-                zfull[g * G + hh, q] = Z[r]
-
-
-@nb.njit(cache=True)
-def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, g, G, pi_row, keptflag, kept_idx,
-          mt, m, kb, ex, event, corrected, certify, fixed_var, z_wald, t_table, gam, vqg,
-          pidx, use_os, want_trv2, out_it, err, lcert):
+def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, kept_idx,
+          mt, m, kb, ex, event, corrected, certify, fixed_var, z_wald, t_table, gam, gamt,
+          vqg, pidx, use_os, want_trv2, stats, top, out_it, err, lcert):
     nqe = qrows.size
     d = Vg.shape[1]
     R = nqe * G
@@ -137,25 +63,31 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, g, G, pi_row, keptflag, k
         cw[j] = 1.0 - pv if pv < 1.0 else 0.0
     We, Vk, X, Z = estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv)
     sc = np.zeros((R, _NS))
+    kmass = np.zeros(R)
     tail = certify and mt > 0
     npx = G * (G - 1) // 2 if use_os else 0
+    nf = R if (tail and fixed_var) else 0
     Wd = np.empty((R if tail else 0, mt))
-    Wf = np.empty((R if (tail and fixed_var) else 0, mt))
-    Wx = np.empty((nqe * npx if tail else 0, mt))
+    # Cross-pair rows (output space) then fixed-size centring rows share one GEMM with V.
+    Wxf = np.empty(((nqe * npx if tail else 0) + nf, mt))
     sx = np.zeros((nqe * npx, 2))
     for a in range(nqe):
-        t = qpos[qrows[a]]
+        q = qrows[a]
+        t = qpos[q]
         for hh in range(G):
             r = a * G + hh
+            h = g * G + hh
             sc[r, _Z] = Z[r]
             for j in range(mt):
-                if kept_idx[j] > t:
+                p = kept_idx[j]
+                if p > t:
                     if tail:
                         Wd[r, j] = 0.0
                         if fixed_var:
-                            Wf[r, j] = 0.0
+                            Wxf[nqe * npx + r, j] = 0.0
                     continue
                 w = We[r, j]
+                kmass[r] += E[h, q, p]
                 sc[r, _MT] += 1.0
                 sc[r, _SW] += w
                 sc[r, _SW2] += w * w
@@ -163,11 +95,11 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, g, G, pi_row, keptflag, k
                     wd = cw[j] * w * w
                     Wd[r, j] = wd
                     sc[r, _SC] += wd
-                    sc[r, _Q] += wd * vn2g[kept_idx[j]]
+                    sc[r, _Q] += wd * vn2g[p]
                     if use_os:
-                        sc[r, _QG] += wd * vqg[pidx[hh, hh], kept_idx[j]]
+                        sc[r, _QG] += wd * vqg[pidx[hh, hh], p]
                     if fixed_var:
-                        Wf[r, j] = cw[j] * w
+                        Wxf[nqe * npx + r, j] = cw[j] * w
                         sc[r, _SCW] += cw[j] * w
                         sc[r, _SC1] += cw[j]
         if tail and use_os:
@@ -180,26 +112,24 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, g, G, pi_row, keptflag, k
                     pq = pidx[ha, hb]
                     for j in range(mt):
                         wx = cw[j] * We[ra, j] * We[rb, j]
-                        Wx[rx, j] = wx
+                        Wxf[rx, j] = wx
                         sx[rx, 0] += wx
                         sx[rx, 1] += wx * vqg[pq, kept_idx[j]]
                     x += 1
     if tail:
-        V2k = np.empty((mt, d))
+        # One GEMM gives both sum (1-pi) w^2 v and sum (1-pi) w^2 v^2 (Wald diagonal).
+        VV = np.empty((mt, 2 * d))
         for j in range(mt):
+            p = kept_idx[j]
             for k in range(d):
-                V2k[j, k] = V2g[kept_idx[j], k]
-        Vt = Vk[:mt]
-        T = np.dot(Wd, Vt)
-        D = np.dot(Wd, V2k)
-        F = np.dot(Wf, Vt) if fixed_var else np.zeros((0, d))
-        Tx = np.dot(Wx, Vt) if npx > 0 else np.zeros((0, d))
+                VV[j, k] = Vk[j, k]
+                VV[j, d + k] = V2g[p, k]
+        TD = np.dot(Wd, VV)
+        XF = np.dot(Wxf, Vk[:mt]) if Wxf.shape[0] > 0 else np.zeros((0, d))
     else:
-        T = np.zeros((0, d))
-        D = T
-        F = T
-        Tx = T
-    est = np.empty((G, d))
+        TD = np.zeros((0, 2 * d))
+        XF = np.zeros((0, d))
+    est3 = np.empty((G, nqe, d))
     diag = np.empty(d)
     mu = np.zeros(d)
     for a in range(nqe):
@@ -209,6 +139,8 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, g, G, pi_row, keptflag, k
             h = g * G + hh
             r = a * G + hh
             o = out_it[h, q]
+            st = stats[j0 + a, h]
+            est = est3[:, a]
             e2 = 0.0
             n2 = 0.0
             for k in range(d):
@@ -225,30 +157,14 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, g, G, pi_row, keptflag, k
             o[F_KEPT] = kb
             o[F_EXPECTED] = ex
             o[F_EVENT] = event
-            # Oracle diagnostics over the tokens the query would see in the full cache.
-            pop = 0
-            om = 0.0
-            ox = 0.0
-            em = 0.0
-            ex_max = 0.0
+            pop = st[S_POP]
             zf = zfull[h, q]
-            for p in range(min(t + 1, pi_row.size)):
-                pv = pi_row[p]
-                if pv < 1.0:
-                    pop += 1
-                if not keptflag[p]:
-                    w = E[h, q, p] / zf
-                    if pv > 0.0:
-                        om += w
-                        ox = max(ox, w)
-                    else:
-                        em += w
-                        ex_max = max(ex_max, w)
             o[F_POP] = pop
-            o[F_OUT_MASS] = om
-            o[F_OUT_MAX] = ox
-            o[F_EV_MASS] = em
-            o[F_EV_MAX] = ex_max
+            o[F_OUT_MASS] = max(0.0, st[S_ELIG_MASS] - kmass[r] / zf)
+            o[F_OUT_MAX] = largest_sampled_out(E, h, q, t, zf, pi_row, keptflag,
+                                               top[j0 + a, h], int(st[S_N_ELIG]))
+            o[F_EV_MASS] = st[S_EV_MASS]
+            o[F_EV_MAX] = st[S_EV_MAX]
             if not certify:
                 o[F_CERT2] = np.nan
                 o[F_CERT2_SMALL] = np.nan
@@ -262,9 +178,10 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, g, G, pi_row, keptflag, k
                 s0 = sc[r, _SC]
                 on = 0.0
                 for k in range(d):
+                    tk = TD[r, k]
                     on += est[hh, k] * est[hh, k]
-                    tr -= 2.0 * est[hh, k] * T[r, k]
-                    diag[k] = (D[r, k] - 2.0 * est[hh, k] * T[r, k]
+                    tr -= 2.0 * est[hh, k] * tk
+                    diag[k] = (TD[r, d + k] - 2.0 * est[hh, k] * tk
                                + est[hh, k] * est[hh, k] * s0) / zz
                 tr = (sc[r, _Q] + tr + on * s0) / zz
                 if fixed_var:
@@ -272,7 +189,7 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, g, G, pi_row, keptflag, k
                     infl = mr / (mr - 1.0) if mr > 1.0 else 0.0
                     mu2 = 0.0
                     for k in range(d):
-                        mu[k] = (F[r, k] - est[hh, k] * sc[r, _SCW]) / Z[r]
+                        mu[k] = (XF[nqe * npx + r, k] - est[hh, k] * sc[r, _SCW]) / Z[r]
                         mu2 += mu[k] * mu[k]
                         diag[k] = infl * (diag[k] - mu[k] * mu[k] / sc[r, _SC1])
                     tr = infl * (tr - mu2 / sc[r, _SC1])
@@ -310,9 +227,8 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, g, G, pi_row, keptflag, k
                 o[F_TRV2] = _trace_sq(We[r], Z[r], cw, Vk, est[hh], mu / sc[r, _SC1]
                                       if fixed_var else mu, kept_idx, mt, t, fixed_var,
                                       mr) if (tail and mr > 0) else 0.0
-        if certify and use_os:
-            lcert[q] += _group_variance(a, G, npx, est, Z, sc, T, Tx, sx, gam, pidx) \
-                if tail else 0.0
+    if certify and use_os and tail:
+        _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gam, gamt, pidx, lcert)
 
 
 @nb.njit(cache=True)
@@ -342,51 +258,50 @@ def _trace_sq(w, z, cw, Vk, est, mu, kept_idx, mt, t, fixed_var, mr):
 
 
 @nb.njit(cache=True)
-def _group_variance(a, G, npx, est, Z, sc, T, Tx, sx, gam, pidx):
-    """``sum_{i in S} (1-pi_i) |sum_h a_hi W_h (v_i - o_h)|^2`` for query ``a`` of the block."""
-    d = est.shape[1]
-    total = 0.0
+def _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gam, gamt, pidx, lcert):
+    """Add ``sum_{i in S} (1-pi_i) |sum_h a_hi W_h (v_i - o_h)|^2`` of each block query to
+    ``lcert``; the Gram products ``Gamma_ab o_b`` and ``Gamma_ab^T o_a`` are small GEMMs."""
+    nqe = qrows.size
+    d = est3.shape[2]
     for ha in range(G):
         for hb in range(ha, G):
             pq = pidx[ha, hb]
-            ra = a * G + ha
-            rb = a * G + hb
-            if ha == hb:
-                s_ab = sc[ra, _SC]
-                q_ab = sc[ra, _QG]
-                tv = T[ra]
-            else:
-                x = pidx[ha, hb] - G  # cross pairs are stored after the G diagonal pairs
-                s_ab = sx[a * npx + x, 0]
-                q_ab = sx[a * npx + x, 1]
-                tv = Tx[a * npx + x]
-            term = q_ab
-            quad = 0.0
-            for k in range(d):
-                b1 = 0.0  # (Gamma o_b)_k
-                b2 = 0.0  # (Gamma^T o_a)_k
-                for l in range(d):
-                    b1 += gam[pq, k, l] * est[hb, l]
-                    b2 += gam[pq, l, k] * est[ha, l]
-                term -= tv[k] * (b1 + b2)
-                quad += est[ha, k] * b1
-            term += s_ab * quad
-            total += (1.0 if ha == hb else 2.0) * term / (Z[ra] * Z[rb])
-    return total
+            b1 = np.dot(est3[hb], gamt[pq])  # rows: (Gamma_ab o_b)^T
+            b2 = np.dot(est3[ha], gam[pq])  # rows: (Gamma_ab^T o_a)^T
+            mult = 1.0 if ha == hb else 2.0
+            for a in range(nqe):
+                ra = a * G + ha
+                rb = a * G + hb
+                if ha == hb:
+                    s_ab = sc[ra, _SC]
+                    term = sc[ra, _QG]
+                else:
+                    x = a * npx + pq - G  # cross pairs are stored after the G diagonal pairs
+                    s_ab = sx[x, 0]
+                    term = sx[x, 1]
+                quad = 0.0
+                for k in range(d):
+                    tv = TD[ra, k] if ha == hb else XF[a * npx + pq - G, k]
+                    term -= tv * (b1[a, k] + b2[a, k])
+                    quad += est3[ha, a, k] * b1[a, k]
+                term += s_ab * quad
+                lcert[qrows[a]] += mult * term / (Z[ra] * Z[rb])
 
 
 @nb.njit(cache=True, parallel=True)
 def replay_kernel(E, zfull, V, V2, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev, kmask,
-                  u, it_cfg, it_seed, it_slot, it_kslot, flags, z_wald, t_table, gam, vq, pidx,
-                  wo_t, want_trv2, out, lout):
+                  u, it_cfg, it_seed, it_slot, it_kslot, flags, z_wald, t_table, gam, gamt, vq,
+                  pidx, wo_t, want_trv2, stats, top, out, lout):
     """Replay every iteration (policy, seed) over one layer; see the module docstring.
 
     Shapes: ``E`` (H, NQ, P); ``zfull`` (H, NQ); ``V``, ``V2`` (n_kv, P, d); ``vn2`` (n_kv, P);
     ``truth`` (H, NQ, d); ``qpos`` (NQ,); ``pi`` (n_events, n_kv, P); ``kmask`` (>=1, n_kv, P);
     ``u`` (S, n_kv, P); ``flags`` (n_cfg, 3) = (corrected, certify, fixed variance);
-    ``t_table`` (P + 2,) Student quantiles by tail size; ``gam`` (n_kv, n_pairs, d, d) and
+    ``t_table`` (P + 2,) Student quantiles by tail size; ``gam`` (n_kv, n_pairs, d, d) (and
+    its transpose ``gamt``) and
     ``vq`` (n_kv, n_pairs, P) for the output space (``wo_t`` (H*d, hidden), empty rows = off);
-    ``pidx`` (G, G) pair index (diagonal pairs 0..G-1, then cross pairs);
+    ``pidx`` (G, G) pair index (diagonal pairs 0..G-1, then cross pairs); ``stats`` and
+    ``top`` from :func:`tracesim.kernels.replay_events.event_stats_kernel`;
     ``out`` (n_iter, H, NQ, N_FIELDS); ``lout`` (n_iter, NQ, N_LAYER_FIELDS).
     """
     H, NQ, P = E.shape
@@ -413,10 +328,10 @@ def replay_kernel(E, zfull, V, V2, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slo
                     continue
                 mt, m, kb, ex = gather_kept(pi[e, g], u[s, g], kmask[max(ks, 0), g], ks >= 0,
                                             tau[e], keptflag, kept_idx)
-                _unit(E, zfull, V[g], V2[g], vn2[g], truth, qpos, qrows, g, G, pi[e, g],
-                      keptflag, kept_idx, mt, m, kb, ex, e - slot_ev[slot], corrected,
-                      certify, fixed_var, z_wald, t_table, gam[g], vq[g], pidx, use_os,
-                      want_trv2, out[it], err, lcert)
+                _unit(E, zfull, V[g], V2[g], vn2[g], truth, qpos, qrows, ev_qptr[e], g, G,
+                      pi[e, g], keptflag, kept_idx, mt, m, kb, ex, e - slot_ev[slot],
+                      corrected, certify, fixed_var, z_wald, t_table, gam[g], gamt[g], vq[g],
+                      pidx, use_os, want_trv2, stats, top, out[it], err, lcert)
         if use_os:
             Y = np.dot(err, wo_t)
             for q in range(NQ):

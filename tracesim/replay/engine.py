@@ -15,7 +15,13 @@ import scipy.linalg.cython_blas  # noqa: F401  (loaded before the thread limit i
 from scipy import stats
 from threadpoolctl import threadpool_limits
 
-from tracesim.kernels.replay import N_FIELDS, N_LAYER_FIELDS, replay_kernel, truth_kernel
+from tracesim.kernels.replay import N_FIELDS, N_LAYER_FIELDS, replay_kernel
+from tracesim.kernels.replay_events import (
+    N_STATS,
+    TOP_ELIGIBLE,
+    event_stats_kernel,
+    truth_kernel,
+)
 from tracesim.policies import LayerTrace, Policy
 from tracesim.replay.inclusion import InclusionTables, build_inclusion, seed_uniforms
 
@@ -185,10 +191,16 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
     # any numba thread count (multi-threaded BLAS inside the loop changes the last bits).
     with threadpool_limits(limits=1, user_api="blas"):
         truth_kernel(E, V, np.arange(NQ, dtype=np.int64), truth, zfull)
+        ev_stats = np.empty((tables.ev_q.size, H, N_STATS))
+        top = np.empty((tables.ev_q.size, H, TOP_ELIGIBLE), dtype=np.int64)
+        event_stats_kernel(E, zfull, tables.pi, tables.ev_qptr, tables.ev_q, qpos,
+                           trace.group_size, ev_stats, top)
         replay_kernel(E, zfull, V, V * V, (V * V).sum(axis=2), truth, qpos, tables.pi,
                       tables.tau, tables.ev_qptr, tables.ev_q, tables.slot_ev, kmask, u,
                       tables.it_cfg, tables.it_seed, tables.it_slot, tables.it_kslot, flags,
-                      z, t_table, gam, vq, pidx, wo_t, bool(options.satterthwaite), out, lout)
+                      z, t_table, gam, np.ascontiguousarray(gam.transpose(0, 1, 3, 2)), vq, pidx,
+                      wo_t, bool(options.satterthwaite), ev_stats, top,
+                      out, lout)
     check = np.full((H, NQ), np.nan)
     if trace.outputs is not None:
         check = np.abs(trace.outputs[:, qidx] - truth).max(axis=2)

@@ -1,0 +1,178 @@
+"""Seed-independent per-event work of the replay: truth, kept-set gathering, oracle statistics.
+
+Everything that depends on a policy's inclusion probabilities but not on the seed is computed
+once per (event, KV head) here, so the per-seed kernel (:mod:`tracesim.kernels.replay`) only
+touches kept tokens.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+# Fields of the per-(event query, head) statistics.
+S_POP, S_EV_MASS, S_EV_MAX, S_ELIG_MASS, S_N_ELIG = range(5)
+N_STATS = 5
+#: Eligible tail tokens (0 < pi < 1) remembered per row, heaviest first, for the largest
+#: sampled-out weight; rows whose TOP_ELIGIBLE heaviest are all kept fall back to a scan.
+TOP_ELIGIBLE = 32
+
+
+@nb.njit(cache=True)
+def gather_kept(pi_row, u_row, kmask_row, use_mask, tau, keptflag, kept_idx):
+    """Kept positions into ``kept_idx``: tail (pi < 1) first, then take-all, ascending.
+
+    Returns ``(m_tail, m, kept_before_tau, expected_before_tau)``.
+    """
+    P = pi_row.size
+    mt = 0
+    for p in range(P):
+        pv = pi_row[p]
+        k = (kmask_row[p] != 0) if use_mask else (u_row[p] < pv)
+        keptflag[p] = k
+        if k and pv < 1.0:
+            kept_idx[mt] = p
+            mt += 1
+    m = mt
+    kb = 0
+    ex = 0.0
+    for p in range(P):
+        if keptflag[p]:
+            if pi_row[p] >= 1.0:
+                kept_idx[m] = p
+                m += 1
+            if p < tau:
+                kb += 1
+        if p < tau:
+            ex += pi_row[p]
+    return mt, m, kb, ex
+
+
+@nb.njit(cache=True)
+def estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv):
+    """Hájek numerators and normalisers of the group's heads for the given queries.
+
+    Returns ``(We (R, m), Vk (m, d), X (R, d), Z (R,))`` with row ``r = a * G + hh``. The truth
+    and every policy go through this function, so ``full`` reproduces the truth bit for bit.
+    """
+    nqe = qrows.size
+    d = Vg.shape[1]
+    R = nqe * G
+    Vk = np.empty((m, d))
+    for j in range(m):
+        p = kept_idx[j]
+        for k in range(d):
+            Vk[j, k] = Vg[p, k]
+    We = np.empty((R, m))
+    Z = np.zeros(R)
+    for a in range(nqe):
+        q = qrows[a]
+        for hh in range(G):
+            h = g * G + hh
+            r = a * G + hh
+            z = 0.0
+            for j in range(m):
+                w = E[h, q, kept_idx[j]] * inv[j]
+                We[r, j] = w
+                z += w
+            Z[r] = z
+    if R > 0 and m > 0:
+        X = np.dot(We, Vk)
+    else:
+        X = np.zeros((R, d))
+    return We, Vk, X, Z
+
+
+@nb.njit(cache=True, parallel=True)
+def truth_kernel(E, V, qrows, truth, zfull):
+    """Full-cache outputs (H, NQ, d) and normalisers (H, NQ) through :func:`estimate_block`."""
+    H = E.shape[0]
+    n_kv, P, d = V.shape
+    G = H // n_kv
+    for g in nb.prange(n_kv):
+        kept_idx = np.arange(P)
+        inv = np.ones(P)
+        We, Vk, X, Z = estimate_block(E, V[g], qrows, g, G, kept_idx, P, inv)
+        for a in range(qrows.size):
+            q = qrows[a]
+            for hh in range(G):
+                r = a * G + hh
+                for k in range(d):
+                    truth[g * G + hh, q, k] = X[r, k] / Z[r]
+                zfull[g * G + hh, q] = Z[r]
+
+
+@nb.njit(cache=True, parallel=True)
+def event_stats_kernel(E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top):
+    """Oracle statistics of every (event query, head) that do not depend on the seed.
+
+    ``stats`` (n_event_queries, H, N_STATS): tail population (visible tokens with pi < 1),
+    evicted (pi = 0) mass and largest weight, eligible (0 < pi < 1) mass and count.
+    ``top`` (n_event_queries, H, TOP_ELIGIBLE): eligible positions, heaviest first, -1 padded.
+    """
+    H, NQ, P = E.shape
+    n_ev = ev_qptr.size - 1
+    n_kv = H // G
+    for job in nb.prange(n_ev * H):
+        e = job // H
+        h = job % H
+        g = h // G
+        prow = pi[e, g]
+        for j in range(ev_qptr[e], ev_qptr[e + 1]):
+            q = ev_q[j]
+            t = qpos[q]
+            zf = zfull[h, q]
+            pop = 0
+            em = 0.0
+            ex_max = 0.0
+            el = 0.0
+            n_el = 0
+            for p in range(min(t + 1, P)):
+                pv = prow[p]
+                if pv < 1.0:
+                    pop += 1
+                    w = E[h, q, p] / zf
+                    if pv > 0.0:
+                        el += w
+                        n_el += 1
+                    else:
+                        em += w
+                        ex_max = max(ex_max, w)
+            stats[j, h, S_POP] = pop
+            stats[j, h, S_EV_MASS] = em
+            stats[j, h, S_EV_MAX] = ex_max
+            stats[j, h, S_ELIG_MASS] = el
+            stats[j, h, S_N_ELIG] = n_el
+            for k in range(top.shape[2]):
+                top[j, h, k] = -1
+            if n_el == 0:
+                continue
+            cand = np.empty(n_el, dtype=np.int64)
+            wts = np.empty(n_el)
+            c = 0
+            for p in range(min(t + 1, P)):
+                if 0.0 < prow[p] < 1.0:
+                    cand[c] = p
+                    wts[c] = -E[h, q, p]
+                    c += 1
+            order = np.argsort(wts, kind="mergesort")
+            for k in range(min(top.shape[2], n_el)):
+                top[j, h, k] = cand[order[k]]
+    _ = n_kv
+
+
+@nb.njit(cache=True)
+def largest_sampled_out(E, h, q, t, zf, prow, keptflag, top_row, n_elig):
+    """Largest full-cache weight among eligible (0 < pi < 1) tokens that were not kept."""
+    K = top_row.size
+    for k in range(min(K, n_elig)):
+        p = top_row[k]
+        if not keptflag[p]:
+            return E[h, q, p] / zf
+    if n_elig <= K:
+        return 0.0
+    best = 0.0
+    for p in range(min(t + 1, prow.size)):
+        if 0.0 < prow[p] < 1.0 and not keptflag[p]:
+            best = max(best, E[h, q, p] / zf)
+    return best
