@@ -159,7 +159,7 @@ def _spec_multikey(rng: random.Random, depth: float, n_keys: int = 3) -> TaskSpe
 
 
 def _spec_vartrack(
-    rng: random.Random, depth: float, n_hops: int = 2, n_distractors: int = 2
+    rng: random.Random, depth: float, n_hops: int = 1, n_distractors: int = 1
 ) -> TaskSpec:
     n_chains = 1 + n_distractors
     names = _distinct(rng, lambda: _var_name(rng), n_chains * (n_hops + 1))
@@ -172,7 +172,7 @@ def _spec_vartrack(
         hop_depths = sorted(start + (1 - start) * rng.random() for _ in range(n_hops))
         stmts.append(f"VAR {chain[0]} = {value}.")
         depths.append(start)
-        for prev, cur, d in zip(chain, chain[1:], hop_depths, strict=True):
+        for prev, cur, d in zip(chain[:-1], chain[1:], hop_depths, strict=True):
             stmts.append(f"VAR {cur} = VAR {prev}.")
             depths.append(d)
     target = chains[0][-1]
