@@ -15,6 +15,8 @@ import sys
 _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "capture.cli",
     "tracesim.store.cli",
+    "tracesim.replay.cli",
+    "tracesim.adversary",
 )
 
 
