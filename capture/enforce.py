@@ -1,0 +1,195 @@
+"""Enforcing an eviction configuration inside attention, with serving-time certificates.
+
+:class:`EvictionState` is a :class:`~capture.attention.CaptureState` whose bias hook applies, per
+KV head, an additive fp32 bias over the prompt positions: ``-inf`` for evicted tokens,
+``-log pi_i`` for kept tail tokens (Hájek) or ``0`` (uncorrected), and 0 for take-all tokens and
+for every generated token. Masking instead of removing tokens keeps every position's RoPE phase
+exactly as in the full-cache run.
+
+At each decode step it also computes, in torch, from what the cache retains only:
+
+* the primary certificate ``C^2 = sum_{i in S} (1 - pi_i) a_i^2 ||v_i - o_hat||^2`` per head;
+* the per-layer output-space (GQA) certificate
+  ``sum_g sum_{i in S_g} (1 - pi_i) || sum_{h in g} a_{h,i} W_O,h (v_i - o_hat_h) ||^2``
+  through each group's Gram matrix ``W_g^T W_g``.
+
+Both use the residuals ``v_i - o_hat`` (two passes over the retained values), matching the
+offline estimator to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from capture.attention import CaptureState
+
+__all__ = ["EvictionState", "LayerPlan", "serving_certificates"]
+
+
+@dataclass
+class LayerPlan:
+    """The eviction plan of one layer over the prompt positions.
+
+    Attributes
+    ----------
+    pi : torch.Tensor, shape (n_kv_heads, P), float64
+        Inclusion probabilities (1 = take-all, 0 = never eligible).
+    kept : torch.Tensor of bool, shape (n_kv_heads, P)
+    hajek : bool
+        Apply the ``-log pi`` offset to kept tail tokens.
+    certified : bool
+        Compute certificates (randomized design with the Hájek correction).
+    fixed_size : bool
+        The design is fixed-size order sampling (Rosén's variance for the primary certificate).
+    """
+
+    pi: torch.Tensor
+    kept: torch.Tensor
+    hajek: bool
+    certified: bool
+    fixed_size: bool = False
+    bias: torch.Tensor = field(init=False)
+    tail_weight: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        offset = -torch.log(self.pi) if self.hajek else torch.zeros_like(self.pi)
+        bias = torch.where(self.kept, offset, torch.full_like(self.pi, float("-inf")))
+        self.bias = bias.to(torch.float32)
+        tail = self.kept & (self.pi < 1)
+        self.tail_weight = torch.where(tail, 1.0 - self.pi, torch.zeros_like(self.pi))
+
+    @property
+    def evicts(self) -> bool:
+        return bool((~self.kept).any()) or (self.hajek and bool((self.pi < 1).any()))
+
+
+def serving_certificates(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    tail_weight: torch.Tensor,
+    scaling: float,
+    gram: torch.Tensor | None = None,
+    fixed_size: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Hájek outputs and certificates of one decode query from the retained cache.
+
+    Parameters
+    ----------
+    query : (H, d)
+    key, value : (H_kv, T, d)
+    bias : (H_kv, T) float
+        Additive logit bias (``-inf`` evicted, ``-log pi`` kept tail, 0 otherwise).
+    tail_weight : (H_kv, T)
+        ``1 - pi`` for kept tail tokens, 0 elsewhere.
+    scaling : float
+    gram : (H_kv, G*d, G*d), optional
+        ``W_g^T W_g`` per group for the output-space certificate.
+    fixed_size : bool
+        Rosén's fixed-size variance for order-sampling designs: with ``z_i = a_i (v_i - o_hat)``,
+        ``m/(m-1) sum_S (1 - pi_i) (z_i - A)^2`` where ``A`` is the ``(1 - pi)``-weighted mean
+        of ``z`` over the sampled tail. The output-space certificate keeps the Poisson form, as
+        the replay engine does.
+
+    Returns
+    -------
+    output : (H, d)
+    certificate_sq : (H,)
+        ``C^2`` per query head.
+    layer_certificate_sq : scalar tensor or None
+        Output-space ``C^2`` summed over groups.
+    """
+    H, d = query.shape
+    n_kv, T, _ = key.shape
+    G = H // n_kv
+    q = query.reshape(n_kv, G, d).to(key.dtype)
+    logits = torch.einsum("kgd,ktd->kgt", q, key) * scaling + bias[:, None, :].to(key.dtype)
+    a = torch.softmax(logits, dim=-1)  # (H_kv, G, T)
+    out = torch.einsum("kgt,ktd->kgd", a, value)
+    resid = value[:, None, :, :] - out[:, :, None, :]  # (H_kv, G, T, d)
+    w = tail_weight.to(a.dtype)[:, None, :]
+    if fixed_size:
+        z = a[..., None] * resid  # (H_kv, G, T, d)
+        c = w[..., None]
+        centre = (c * z).sum(2, keepdim=True) / c.sum(2, keepdim=True).clamp_min(1e-300)
+        m = (tail_weight > 0).sum(-1).to(a.dtype)  # (H_kv,)
+        inflate = torch.where(m > 1, m / (m - 1).clamp_min(1), torch.zeros_like(m))
+        cert = (inflate[:, None] * (c * (z - centre) ** 2).sum((2, 3))).reshape(H)
+    else:
+        cert = (w * a * a * (resid * resid).sum(-1)).sum(-1).reshape(H)
+    layer_cert = None
+    if gram is not None:
+        u = a[..., None] * resid  # (H_kv, G, T, d)
+        u = u.permute(0, 2, 1, 3).reshape(n_kv, T, G * d)
+        quad = (torch.einsum("ktj,kjl->ktl", u, gram.to(u.dtype)) * u).sum(-1)  # (H_kv, T)
+        layer_cert = (tail_weight.to(quad.dtype) * quad).sum()
+    return out.reshape(H, d), cert, layer_cert
+
+
+class EvictionState(CaptureState):
+    """Per-run state that enforces per-layer plans and records serving-time certificates.
+
+    Parameters
+    ----------
+    prompt_length : int
+        The plans cover positions ``[0, prompt_length)``; later positions are always kept.
+    plans : dict of int to LayerPlan
+        One plan per layer (a layer without a plan attends to the full cache).
+    grams : dict of int to torch.Tensor, optional
+        Per-layer ``(H_kv, G*d, G*d)`` Gram matrices for the output-space certificate.
+    record_positions : iterable of int
+        Query positions whose Q/outputs are recorded (as in :class:`CaptureState`).
+    """
+
+    def __init__(self, prompt_length: int, plans: dict[int, LayerPlan],
+                 grams: dict[int, torch.Tensor] | None = None, record_positions=()) -> None:
+        super().__init__(prompt_length, record_positions, bias_fn=self._bias)
+        self.plans = plans
+        self.grams = grams or {}
+        # Per decode step: {layer: (certificate_sq per head (H,), layer certificate_sq)}.
+        self.certificates: list[dict[int, tuple[np.ndarray, float]]] = []
+        self._step_certs: dict[int, tuple[np.ndarray, float]] = {}
+
+    def begin_step(self, start: int, stop: int) -> None:
+        if self._step_certs:
+            self.certificates.append(self._step_certs)
+        self._step_certs = {}
+        super().begin_step(start, stop)
+
+    def end(self) -> None:
+        """Flush the last step's certificates."""
+        if self._step_certs:
+            self.certificates.append(self._step_certs)
+            self._step_certs = {}
+
+    def _bias(self, layer: int, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
+        plan = self.plans.get(layer)
+        if plan is None or not plan.evicts:
+            return None
+        P = plan.bias.shape[1]
+        bias = torch.zeros(plan.bias.shape[0], positions.numel(), kv_len, dtype=torch.float32)
+        width = min(P, kv_len)
+        bias[:, :, :width] = plan.bias[:, None, :width]
+        return bias
+
+    def record(self, layer, query, key, value, output, mask, scaling) -> None:
+        super().record(layer, query, key, value, output, mask, scaling)
+        plan = self.plans.get(layer)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if plan is None or not plan.certified or q_len != 1 or kv_len <= self.prompt_length:
+            return
+        P = plan.bias.shape[1]
+        bias = torch.zeros(key.shape[1], kv_len, dtype=torch.float64)
+        bias[:, :P] = plan.bias.to(torch.float64)
+        tail = torch.zeros(key.shape[1], kv_len, dtype=torch.float64)
+        tail[:, :P] = plan.tail_weight
+        with torch.no_grad():
+            _, cert, layer_cert = serving_certificates(
+                query[0, :, 0].float(), key[0].float(), value[0].float(), bias.float(),
+                tail.float(), float(scaling), self.grams.get(layer), plan.fixed_size)
+        self._step_certs[layer] = (cert.double().cpu().numpy(),
+                                   float("nan") if layer_cert is None else float(layer_cert))

@@ -1,0 +1,227 @@
+"""In-loop eviction: prefill once with the full cache, then decode every configuration from it.
+
+For one sequence: the prompt is prefilled once with recording (observation-window queries and
+H2O statistics), which yields exactly the per-layer :class:`~tracesim.policies.LayerTrace` the
+offline simulator would read from a trace store. Every (policy, seed) then gets its kept sets from
+the replay engine's own code (:func:`tracesim.replay.inclusion.first_event_inclusion`) and the
+same permanent random numbers (bit-identical torch port), is enforced as an attention bias
+(:mod:`capture.enforce`), and decodes greedily from a copy of the prefill cache. The cache is
+cropped back to the prompt between configurations, so a grid costs one prefill plus one short
+decode per configuration.
+
+Only the one-shot schedule is enforced in the loop (compression right after prefill); decode-time
+schedules need scores from queries generated under eviction and are left to a later change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from capture.attention import CaptureState, attention_modules, recording
+from capture.enforce import EvictionState, LayerPlan
+from capture.generate import _cache_kwarg, _forward
+from capture.prn_torch import permanent_uniforms_torch
+from capture.runner import query_roles
+from capture.tasks import grade
+from tracesim.policies import LayerTrace, Policy
+from tracesim.replay.kept import first_event_inclusion
+
+__all__ = ["Prefill", "decode_policy", "failure_label", "layer_plans", "prefill_sequence"]
+
+
+@dataclass
+class Prefill:
+    """A prefilled prompt: the cache, the first-token logits and the layer traces."""
+
+    cache: Any
+    logits: torch.Tensor
+    traces: list[LayerTrace]
+    prompt_length: int
+    grams: dict[int, torch.Tensor]
+
+
+def _group_grams(model: Any, n_kv: int) -> dict[int, torch.Tensor]:
+    """Per layer ``(H_kv, G*d, G*d)`` Gram matrices ``W_g^T W_g`` of the o_proj blocks."""
+    grams = {}
+    for layer, mod in enumerate(attention_modules(model)):
+        w = mod.o_proj.weight.detach().float()  # (hidden, H*d)
+        cols = w.shape[1] // n_kv
+        blocks = [w[:, g * cols:(g + 1) * cols] for g in range(n_kv)]
+        grams[layer] = torch.stack([b.T @ b for b in blocks])
+    return grams
+
+
+@torch.inference_mode()
+def prefill_sequence(
+    model: Any,
+    prompt_ids: list[int],
+    *,
+    question_start: int,
+    window: int = 32,
+    scaling: float,
+    layer_certificate: bool = True,
+    prefill_chunk: int = 2048,
+) -> Prefill:
+    """Prefill ``prompt_ids`` with the full cache, recording what the scores need.
+
+    Returns the cache (to decode from), the last position's logits (the first generated token is
+    the same under every configuration: compression happens after prefill) and one float64
+    :class:`LayerTrace` per layer over the prompt positions.
+    """
+    from transformers import DynamicCache
+
+    P = len(prompt_ids)
+    positions, roles = query_roles(P, question_start, P, window, False)
+    state = CaptureState(P, positions)
+    cache = DynamicCache(config=model.config)
+    cache_kw = _cache_kwarg(model)
+    device = next(model.parameters()).device
+    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    logits = None
+    with recording(model, state):
+        for start in range(0, P, prefill_chunk):
+            logits = _forward(model, prompt[start:start + prefill_chunk], start, cache, cache_kw,
+                              state)
+    traces = []
+    for layer, arrays in enumerate(state.finalize()):
+        if arrays.positions.tolist() != positions:
+            raise RuntimeError(f"layer {layer}: recorded query positions disagree with the plan")
+        f64 = np.float64
+        traces.append(LayerTrace(
+            layer=layer, keys=arrays.keys.astype(f64), values=arrays.values.astype(f64),
+            queries=arrays.queries.astype(f64), h2o=arrays.h2o.astype(f64),
+            query_positions=np.asarray(positions, dtype=np.int64), query_roles=list(roles),
+            prompt_length=P, question_start=int(question_start), scale=float(scaling),
+            outputs=arrays.outputs.astype(f64)))
+    n_kv = traces[0].n_kv_heads
+    grams = _group_grams(model, n_kv) if layer_certificate else {}
+    return Prefill(cache=cache, logits=logits, traces=traces, prompt_length=P, grams=grams)
+
+
+def layer_plans(traces: list[LayerTrace], policy: Policy, seed: int) -> dict[int, LayerPlan]:
+    """Kept sets of every layer for one policy and seed, exactly as the simulator draws them."""
+    if policy.schedule.kind != "oneshot":
+        raise ValueError(f"in-loop eviction supports the one-shot schedule only, got "
+                         f"{policy.schedule.label()}")
+    plans = {}
+    n_layers = len(traces)
+    for trace in traces:
+        pi, kept = first_event_inclusion(trace, policy, int(seed), n_layers,
+                                         uniforms=_uniforms_torch(seed, trace))
+        plans[trace.layer] = LayerPlan(
+            pi=torch.from_numpy(pi), kept=torch.from_numpy(kept),
+            hajek=policy.correction == "hajek", certified=policy.certified,
+            fixed_size=policy.design is not None and policy.design.variance == "fixed")
+    return plans
+
+
+def _uniforms_torch(seed: int, trace: LayerTrace) -> np.ndarray:
+    # The torch port, so the kept sets are those a serving system computes on its own device.
+    pos = torch.arange(trace.n_positions)
+    heads = torch.arange(trace.n_kv_heads)[:, None]
+    return permanent_uniforms_torch(int(seed), trace.layer, heads, pos.expand(
+        trace.n_kv_heads, -1)).numpy()
+
+
+@dataclass
+class DecodeResult:
+    """One configuration's decode from a shared prefill."""
+
+    generated_ids: list[int]
+    logprobs: list[float]
+    stopped_on_eos: bool
+    certificates: list[dict[int, tuple[np.ndarray, float]]]
+    kept_tokens: np.ndarray  # (n_layers, n_kv) kept prompt tokens
+
+
+@torch.inference_mode()
+def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
+                  max_new_tokens: int, eos_ids: set[int]) -> DecodeResult:
+    """Greedy decode under ``plans`` from the prefill cache, then crop the cache back."""
+    P = prefill.prompt_length
+    state = EvictionState(P, plans, prefill.grams)
+    cache_kw = _cache_kwarg(model)
+    device = next(model.parameters()).device
+    logits = prefill.logits
+    generated, logprobs = [], []
+    try:
+        with recording(model, state):
+            while True:
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                token = int(torch.argmax(logp))
+                generated.append(token)
+                logprobs.append(float(logp[token]))
+                if token in eos_ids or len(generated) >= max_new_tokens:
+                    break
+                ids = torch.tensor([token], dtype=torch.long, device=device)
+                logits = _forward(model, ids, P + len(generated) - 1, prefill.cache, cache_kw,
+                                  state)
+        state.end()
+    finally:
+        _restore(prefill.cache, P)
+    kept = np.stack([plans[layer].kept.sum(dim=1).numpy() for layer in sorted(plans)])
+    return DecodeResult(generated, logprobs, bool(generated[-1] in eos_ids), state.certificates,
+                        kept)
+
+
+def _restore(cache: Any, length: int) -> None:
+    """Drop every cached position from ``length`` on (the generated tokens of one decode)."""
+    extra = int(cache.get_seq_length()) - length
+    if extra > 0:
+        # transformers 5 takes the number of tokens to remove as a negative count.
+        cache.crop(-extra)
+
+
+def failure_label(correct: bool, full_correct: bool) -> str:
+    """``cache_induced`` (full right, evicted wrong), ``inherent`` (both wrong), ``recovered``
+    (full wrong, evicted right) or ``none`` (both right)."""
+    if correct:
+        return "none" if full_correct else "recovered"
+    return "cache_induced" if full_correct else "inherent"
+
+
+def outcome_row(meta: dict[str, Any], policy: Policy, seed: int, result: DecodeResult,
+                tokenizer: Any, n_layers: int) -> dict[str, Any]:
+    """One outcomes row: answer, correctness, log-probs, certificate aggregates, memory."""
+    gen = result.generated_ids
+    answer_ids = gen[:-1] if result.stopped_on_eos else gen
+    answer = tokenizer.decode(answer_ids, skip_special_tokens=True) if tokenizer else ""
+    correct = grade(meta["task"], answer, meta["gold"]) if tokenizer else False
+    full_correct = bool(meta["correct"])
+    full_ids = list(meta["generated_ids"])
+    certs = np.array([[c[layer][0] for layer in range(n_layers) if layer in c]
+                      for c in result.certificates]) if result.certificates else np.zeros((0,))
+    layer_certs = np.array([[c[layer][1] for layer in range(n_layers) if layer in c]
+                            for c in result.certificates]) if result.certificates else None
+    nan = math.nan
+    by_layer = (np.sqrt(certs).mean(axis=(0, 2)).tolist() if certs.size else [])
+    P = int(meta["prompt_length"])
+    kept = result.kept_tokens
+    return {
+        **policy.row(),
+        "sequence_id": meta["sequence_id"], "task": meta["task"], "seed": int(seed),
+        "answer": answer, "gold": meta["gold"], "correct": bool(correct),
+        "full_correct": full_correct, "failure": failure_label(correct, full_correct),
+        "same_tokens_as_full": gen == full_ids[:len(gen)] and len(gen) == len(full_ids),
+        "n_generated": len(gen),
+        "logprob_mean": float(np.mean(result.logprobs)),
+        "logprob_min": float(np.min(result.logprobs)),
+        "logprob_first": float(result.logprobs[0]),
+        "certificate_mean": float(np.sqrt(certs).mean()) if certs.size else nan,
+        "certificate_max": float(np.sqrt(certs).max()) if certs.size else nan,
+        "layer_certificate_mean": (float(np.sqrt(layer_certs).mean())
+                                   if layer_certs is not None and layer_certs.size else nan),
+        "layer_certificate_max": (float(np.sqrt(layer_certs).max())
+                                  if layer_certs is not None and layer_certs.size else nan),
+        "certificate_by_layer": by_layer,
+        "prompt_length": P,
+        "kept_tokens_mean": float(kept.mean()),
+        "kept_fraction": float(kept.mean() / P),
+        "memory_tokens": int(kept.sum()),
+        "full_memory_tokens": int(P * kept.size),
+    }

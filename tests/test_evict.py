@@ -1,0 +1,166 @@
+"""In-loop eviction: full budget reproduces the full-cache run; simulator and model agree."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from capture.evict import decode_policy, failure_label, layer_plans, prefill_sequence
+from capture.models import LoadedModel, load_tokenizer, tiny_model
+from capture.runner import CaptureConfig, run_capture
+from tracesim import hajek_attention, output_space_certificate
+from tracesim.policies import make_policy
+from tracesim.replay import load_layer, replay
+from tracesim.replay.kept import first_event_inclusion
+from tracesim.store import open_store
+
+pytestmark = pytest.mark.capture
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory) -> tuple[Path, LoadedModel]:
+    tok = load_tokenizer()
+    model = tiny_model("llama", seed=3, vocab_size=len(tok))
+    loaded = LoadedModel(model, tok, "tiny-llama")
+    out = tmp_path_factory.mktemp("evict") / "traces"
+    run_capture(loaded, ["passkey"], n=2, length=160, out=out, storage_dtype="float32",
+                config=CaptureConfig(window=8, max_new_tokens=6), progress=False)
+    return out, loaded
+
+
+
+@pytest.mark.parametrize(("score", "design"), [("snapkv", "topk"), ("h2o", "poisson"),
+                                               ("streaming", "bernoulli"), ("tova", "fixed")])
+def test_full_budget_reproduces_full_cache_tokens(tiny_store, score, design):
+    path, loaded = tiny_store
+    store = open_store(path)
+    for seq in store:
+        meta = seq.meta
+        P = int(meta["prompt_length"])
+        pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
+                               question_start=int(meta["question_start"]), window=8,
+                               scaling=store.model.scaling)
+        policy = make_policy(score, design, 1.0, score_params={"window": 8})
+        plans = layer_plans(pre.traces, policy, seed=0)
+        res = decode_policy(loaded.model, pre, plans, len(meta["generated_ids"]), set())
+        assert res.generated_ids == list(meta["generated_ids"])
+        # the cache is restored: a second decode gives the same again
+        again = decode_policy(loaded.model, pre, plans, len(meta["generated_ids"]), set())
+        assert again.generated_ids == res.generated_ids
+
+
+@pytest.mark.parametrize(("score", "design", "budget"), [
+    ("snapkv", "poisson", 0.3), ("h2o", "bernoulli", 0.4), ("knorm", "fixed", 0.35),
+    ("keyformer", "topk", 0.3)])
+def test_simulator_and_model_agree_on_kept_sets_outputs_and_certificates(
+        tiny_store, score, design, budget):
+    """Same kept sets; at the first decode step the model's enforced attention outputs and its
+    serving-time certificates equal tracesim's estimator on the same cache, in every layer; and
+    in layer 0 (whose query no eviction has touched yet) they equal the replay engine's."""
+    import capture.evict as ev
+    from capture.enforce import EvictionState
+
+    path, loaded = tiny_store
+    store = open_store(path)
+    seq = store[store.sequence_ids[0]]
+    meta = seq.meta
+    P = int(meta["prompt_length"])
+    pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
+                           question_start=int(meta["question_start"]), window=8,
+                           scaling=store.model.scaling)
+    policy = make_policy(score, design, budget, score_params={"window": 8})
+    seed = 5
+    plans = layer_plans(pre.traces, policy, seed)
+    n_layers = store.model.n_layers
+    first_step = {}
+
+    class Probe(EvictionState):
+        def record(self, layer, query, key, value, output, mask, scaling):
+            super().record(layer, query, key, value, output, mask, scaling)
+            if query.shape[2] == 1 and layer not in first_step:
+                first_step[layer] = tuple(t.double().numpy() for t in (
+                    query[0, :, 0], key[0], value[0], output[0, 0]))
+
+    original = ev.EvictionState
+    ev.EvictionState = Probe
+    try:
+        res = decode_policy(loaded.model, pre, plans, 2, set())
+    finally:
+        ev.EvictionState = original
+    assert len(res.generated_ids) == 2
+    for layer in range(n_layers):
+        trace = load_layer(store, seq, layer)
+        pi_sim, kept_sim = first_event_inclusion(trace, policy, seed, n_layers)
+        np.testing.assert_array_equal(plans[layer].kept.numpy(), kept_sim[:, :P])
+        np.testing.assert_allclose(plans[layer].pi.numpy(), pi_sim[:, :P], rtol=1e-12)
+        q, k, v, out = first_step[layer]  # k, v: (n_kv, P + 1, d), the cache at this step
+        pis = np.concatenate([plans[layer].pi.numpy(), np.ones((k.shape[0], 1))], axis=1)
+        keeps = np.concatenate([plans[layer].kept.numpy(), np.ones((k.shape[0], 1), bool)], 1)
+        G = trace.group_size
+        for h in range(trace.n_heads):
+            g = h // G
+            est = hajek_attention(q[h], k[g], v[g], pis[g], keeps[g], scale=trace.scale,
+                                  correction=policy.correction == "hajek", variance="trace",
+                                  design_variance=policy.design.variance or "poisson")
+            np.testing.assert_allclose(out[h], est.estimate, atol=1e-5)
+            if policy.certified:
+                assert res.certificates[0][layer][0][h] == pytest.approx(
+                    float(est.variance_trace), abs=1e-5, rel=1e-4)
+        if policy.certified:
+            layer_cert = output_space_certificate(q[:, None, :], k, v, pis, keeps,
+                                                  store.o_proj(layer).astype(np.float64),
+                                                  scale=trace.scale)
+            assert res.certificates[0][layer][1] == pytest.approx(
+                float(layer_cert.variance_trace[0]), rel=1e-4, abs=1e-5)
+        else:
+            assert not res.certificates
+    # Layer 0 at the first decode step sees exactly the recorded full-cache query.
+    trace0 = load_layer(store, seq, 0)
+    np.testing.assert_allclose(first_step[0][0],
+                               trace0.queries[:, list(trace0.query_positions).index(P)],
+                               atol=1e-6)
+    if policy.certified:
+        table = replay(store, [policy], seeds=[seed], sequences=[seq.sequence_id], layers=[0],
+                       per_seed=True, progress=False).to_pandas()
+        first = table[table.query_position == P]
+        assert len(first) == trace0.n_heads
+        for _, row in first.iterrows():
+            assert row.cert2 == pytest.approx(res.certificates[0][0][0][int(row["head"])],
+                                              rel=1e-4, abs=1e-5)
+
+
+def test_per_head_kept_sets_differ_under_gqa(tiny_store):
+    path, loaded = tiny_store
+    store = open_store(path)
+    seq = store[store.sequence_ids[0]]
+    meta = seq.meta
+    P = int(meta["prompt_length"])
+    pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
+                           question_start=int(meta["question_start"]), window=8,
+                           scaling=store.model.scaling)
+    plans = layer_plans(pre.traces, make_policy("snapkv", "topk", 0.3,
+                                                score_params={"window": 8}), 0)
+    kept = plans[0].kept.numpy()
+    assert kept.shape[0] == 2 and (kept[0] != kept[1]).any()
+    assert torch.isinf(plans[0].bias).any()
+
+
+def test_decode_schedule_is_refused_in_loop(tiny_store):
+    path, loaded = tiny_store
+    store = open_store(path)
+    seq = store[store.sequence_ids[0]]
+    meta = seq.meta
+    P = int(meta["prompt_length"])
+    pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
+                           question_start=int(meta["question_start"]), window=8,
+                           scaling=store.model.scaling)
+    with pytest.raises(ValueError, match="one-shot schedule only"):
+        layer_plans(pre.traces, make_policy("h2o", "poisson", 0.3, schedule="decode:4"), 0)
+
+
+def test_failure_labels():
+    assert failure_label(False, True) == "cache_induced"
+    assert failure_label(False, False) == "inherent"
+    assert failure_label(True, True) == "none"
+    assert failure_label(True, False) == "recovered"

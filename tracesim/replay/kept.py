@@ -1,0 +1,53 @@
+"""Kept sets of one policy and seed at its first eviction event, for the in-loop path.
+
+The in-loop (torch) path must keep exactly the tokens the simulator keeps; it therefore asks the
+replay engine's own inclusion code rather than re-deriving anything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tracesim.policies import LayerTrace, Policy
+from tracesim.replay.inclusion import _fixed_kept, _slot_events, seed_uniforms
+
+__all__ = ["first_event_inclusion"]
+
+
+def first_event_inclusion(
+    trace: LayerTrace,
+    policy: Policy,
+    seed: int,
+    n_layers: int,
+    uniforms: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Inclusion probabilities and kept mask after the first (one-shot) event.
+
+    Parameters
+    ----------
+    trace : LayerTrace
+    policy : Policy
+    seed : int
+    n_layers : int
+        Number of layers of the model (PyramidKV's schedule needs it).
+    uniforms : ndarray, shape (n_kv_heads, n_positions), optional
+        Permanent uniforms of stream 0 for this seed and layer (computed if omitted).
+
+    Returns
+    -------
+    pi : ndarray of float64, shape (n_kv_heads, n_positions)
+    kept : ndarray of bool, shape (n_kv_heads, n_positions)
+        ``u < pi`` for Poisson designs (π ∈ {0, 1} for deterministic ones), the order sample for
+        fixed-size designs.
+    """
+    qpos = np.array([trace.n_positions - 1], dtype=np.int64)
+    pi_events, _, _ = _slot_events(trace, policy, int(seed), n_layers, qpos)
+    pi = np.ascontiguousarray(pi_events[0])
+    if uniforms is None:
+        uniforms = seed_uniforms(np.array([seed]), trace.layer, trace.n_kv_heads,
+                                 trace.n_positions)[0]
+    if policy.design is not None and policy.design.variance == "fixed":
+        kept = _fixed_kept(policy.design, pi, uniforms).astype(bool)
+    else:
+        kept = uniforms < pi
+    return pi, kept
