@@ -164,3 +164,51 @@ def test_failure_labels():
     assert failure_label(False, False) == "inherent"
     assert failure_label(True, True) == "none"
     assert failure_label(True, False) == "recovered"
+
+
+def test_run_evict_writes_outcomes_and_resumes(tiny_store, tmp_path):
+    import pyarrow.parquet as pq
+
+    from capture.evict_run import run_evict
+
+    path, loaded = tiny_store
+    policies = [make_policy("snapkv", "poisson", 0.3, score_params={"window": 8}),
+                make_policy("snapkv", "topk", 0.3, score_params={"window": 8}),
+                make_policy("full")]
+    out = tmp_path / "outcomes"
+    summary = run_evict(path, policies, seeds=2, out=out, model=loaded, progress=False)
+    table = pq.read_table(out / "outcomes.parquet").to_pandas()
+    # 2 sequences x (2 seeds of poisson + topk once + full once)
+    assert summary["n_rows"] == len(table) == 2 * 4
+    full = table[table.score == "full"]
+    assert full.same_tokens_as_full.all() and (full.correct == full.full_correct).all()
+    poisson = table[table.design == "poisson"]
+    assert poisson.certificate_mean.notna().all() and (poisson.certificate_mean > 0).all()
+    assert poisson.layer_certificate_max.notna().all()
+    assert table[table.design == "topk"].certificate_mean.isna().all()
+    assert set(table.failure) <= {"none", "inherent", "cache_induced", "recovered"}
+    assert (table.kept_fraction <= 1).all() and (poisson.kept_fraction < 0.9).all()
+    # Resuming does no work and keeps the same rows.
+    (out / "outcomes.parquet").unlink()
+    again = run_evict(path, policies, seeds=2, out=out, model=loaded, progress=False)
+    assert again["sequences_skipped"] == 2 and again["sequences_written"] == 0
+    assert pq.read_table(out / "outcomes.parquet").num_rows == len(table)
+
+
+def test_evict_cli_with_a_checkpoint_directory(tiny_store, tmp_path):
+    from tracesim.cli import main
+
+    path, loaded = tiny_store
+    ckpt = tmp_path / "tiny-llama"
+    loaded.model.save_pretrained(ckpt, safe_serialization=True)
+    loaded.tokenizer.save_pretrained(ckpt)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("grid:\n  score: [streaming]\n  design: [bernoulli]\n  budget: [0.5]\n"
+                    "  score_params: {streaming: {window: 8}}\nseeds: 1\n")
+    assert main(["evict", str(path), "--grid", str(grid), "--out", str(tmp_path / "o"),
+                 "--model", str(ckpt)]) == 0
+    assert (tmp_path / "o" / "outcomes.parquet").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grid:\n  score: [nope]\n")
+    assert main(["evict", str(path), "--grid", str(bad), "--out", str(tmp_path / "o2"),
+                 "--model", str(ckpt)]) == 2

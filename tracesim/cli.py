@@ -16,7 +16,9 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "capture.cli",
     "tracesim.store.cli",
     "tracesim.replay.cli",
+    "tracesim.sweep.cli",
     "tracesim.adversary",
+    "capture.evict_run",
 )
 
 

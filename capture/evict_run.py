@@ -1,0 +1,197 @@
+"""``tracesim evict``: in-loop eviction outcomes over the sequences of a trace store.
+
+For each sequence of the store: one full-cache prefill, then one greedy decode per (policy, seed)
+with the eviction enforced inside attention; one outcomes row per (sequence, policy, seed).
+Results of a sequence are written to ``OUT/parts/<sequence>.parquet`` atomically, so an
+interrupted run resumes at the first unfinished sequence; ``OUT/outcomes.parquet`` and
+``OUT/summary.json`` are rewritten at the end from the parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "run_evict"]
+
+
+def _safe_name(sequence_id: str) -> str:
+    digest = hashlib.sha256(sequence_id.encode()).hexdigest()[:12]
+    clean = "".join(c if c.isalnum() or c in "-_." else "_" for c in sequence_id)[:80]
+    return f"{clean}-{digest}.parquet"
+
+
+def _write_atomic(table: Any, path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def run_evict(
+    store_path: str | Path,
+    policies: Sequence[Any],
+    *,
+    seeds: int | Sequence[int] = 4,
+    out: str | Path = "outcomes",
+    model: Any = "smollm2",
+    sequences: Sequence[str] | None = None,
+    max_new_tokens: int | None = None,
+    layer_certificate: bool = True,
+    progress: bool = True,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Run every policy and seed in the loop over a store's sequences; return the summary.
+
+    Parameters
+    ----------
+    store_path : path
+        A trace store (its token ids, prompt boundaries, gold answers and full-cache outcome are
+        used; tensors are not).
+    policies : sequence of tracesim.policies.Policy
+        One-shot policies (see :func:`tracesim.sweep.grid.parse_grid` for the YAML grammar).
+    seeds : int or sequence of int
+        Seeds for randomized policies (deterministic ones run once, seed -1).
+    out : path
+        Output directory.
+    model : str or LoadedModel
+        ``"smollm2"``, a local checkpoint directory, or a loaded model matching the store.
+    max_new_tokens : int, optional
+        Default: the full-cache run's number of generated tokens.
+    layer_certificate : bool
+        Also compute the per-layer output-space certificate at every decode step.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm.auto import tqdm
+
+    from capture.evict import decode_policy, layer_plans, outcome_row, prefill_sequence
+    from capture.models import LoadedModel, load_model, model_info
+    from capture.runner import _eos_ids
+    from tracesim.store import open_store
+
+    store = open_store(store_path)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, device)
+    info = model_info(loaded.model)
+    for key in ("n_layers", "n_heads", "n_kv_heads", "head_dim"):
+        if info[key] != getattr(store.model, key):
+            raise ValueError(f"{store_path}: the store's model has {key} = "
+                             f"{getattr(store.model, key)} but the loaded model has {info[key]}")
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
+    if not seed_list:
+        raise ValueError("seeds: expected at least one seed")
+    policies = list(policies)
+    for p in policies:
+        if p.schedule.kind != "oneshot":
+            raise ValueError(f"policy {p.id}: in-loop eviction supports the one-shot schedule "
+                             "only")
+    ids = list(store.sequence_ids) if sequences is None else list(sequences)
+    out = Path(out)
+    parts = out / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    for stale in parts.glob("*.tmp"):
+        stale.unlink()
+    eos = set(_eos_ids(loaded))
+    runs = [(p, s) for p in policies for s in (seed_list if p.needs_seeds else [-1])]
+    start = time.time()
+    done = skipped = 0
+    bar = tqdm(total=len(ids) * len(runs), desc="evict", unit="run", disable=not progress)
+    for sid in ids:
+        target = parts / _safe_name(sid)
+        if target.exists():
+            skipped += 1
+            bar.update(len(runs))
+            continue
+        seq = store[sid]
+        meta = dict(seq.meta)
+        meta["sequence_id"] = sid
+        P = int(meta["prompt_length"])
+        pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
+                               question_start=int(meta["question_start"]),
+                               scaling=store.model.scaling, layer_certificate=layer_certificate)
+        budget = max_new_tokens or len(meta["generated_ids"])
+        rows = []
+        for policy, seed in runs:
+            plans = layer_plans(pre.traces, policy, max(seed, 0))
+            t0 = time.perf_counter()
+            res = decode_policy(loaded.model, pre, plans, budget, eos)
+            row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers)
+            row["decode_seconds"] = time.perf_counter() - t0
+            rows.append(row)
+            bar.update(1)
+        _write_atomic(pa.Table.from_pylist(rows), target)
+        done += 1
+    bar.close()
+    tables = [pq.read_table(p) for p in sorted(parts.glob("*.parquet"))]
+    table = pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
+    _write_atomic(table, out / "outcomes.parquet")
+    summary = {
+        "store": str(store_path), "model_id": loaded.model_id, "n_sequences": len(ids),
+        "sequences_written": done, "sequences_skipped": skipped, "n_rows": table.num_rows,
+        "policies": [p.id for p in policies], "seeds": seed_list,
+        "wall_seconds": time.time() - start,
+    }
+    prereg = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
+    if prereg.is_file():
+        summary["prereg_sha256"] = "sha256:" + hashlib.sha256(prereg.read_bytes()).hexdigest()
+    if table.num_rows:
+        df = table.select(["config_id", "correct", "full_correct"]).to_pandas()
+        summary["accuracy"] = {k: float(np.mean(v)) for k, v in
+                               df.groupby("config_id")["correct"]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    print(f"{summary['n_rows']} outcome rows ({summary['sequences_written']} sequences written, "
+          f"{summary['sequences_skipped']} already done) in {summary['wall_seconds']:.1f} s")
+    for config, acc in sorted(summary.get("accuracy", {}).items()):
+        print(f"  accuracy {acc:5.2f}  {config}")
+
+
+def _command(args: argparse.Namespace) -> int:
+    import yaml
+
+    from tracesim.sweep.grid import parse_grid
+
+    try:
+        doc = yaml.safe_load(Path(args.grid).read_text())
+        if not isinstance(doc, dict):
+            raise ValueError("expected a mapping")
+        grid = doc.get("grid", doc)
+        policies = parse_grid(grid, where=f"{args.grid}: grid")
+        seeds = args.seeds if args.seeds is not None else doc.get("seeds", 4)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        print(f"error: {exc}")
+        return 2
+    summary = run_evict(args.traces, policies, seeds=seeds, out=args.out, model=args.model,
+                        max_new_tokens=args.max_new_tokens, device=args.device,
+                        layer_certificate=not args.no_layer_certificate)
+    _print_summary(summary)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``tracesim evict``."""
+    p = subparsers.add_parser(
+        "evict", help="run eviction policies inside the model and record end-to-end outcomes")
+    p.add_argument("traces", help="trace store whose sequences to run")
+    p.add_argument("--grid", required=True, help="YAML grid (the sweep spec's grid grammar)")
+    p.add_argument("--out", default="outcomes", help="output directory (resumable)")
+    p.add_argument("--model", default="smollm2", help="'smollm2' or a local checkpoint dir")
+    p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: grid's)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-layer-certificate", action="store_true",
+                   help="skip the per-layer output-space certificate (cheaper decode steps)")
+    p.set_defaults(func=_command)
