@@ -56,10 +56,12 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptfla
     d = Vg.shape[1]
     R = nqe * G
     inv = np.empty(m)
+    piv = np.empty(m)  # 1 / inv: turns a weight back into exp(s) without re-reading E
     cw = np.empty(m)
     for j in range(m):
         pv = pi_row[kept_idx[j]]
         inv[j] = 1.0 / pv if corrected else 1.0
+        piv[j] = pv if corrected else 1.0
         cw[j] = 1.0 - pv if pv < 1.0 else 0.0
     We, Vk, X, Z = estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv)
     sc = np.zeros((R, _NS))
@@ -78,30 +80,51 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptfla
             r = a * G + hh
             h = g * G + hh
             sc[r, _Z] = Z[r]
+            # Local accumulators: the compiler keeps them in registers (array slots it won't).
+            km = 0.0
+            n_t = 0.0
+            sw = 0.0
+            sw2 = 0.0
+            s_c = 0.0
+            s_q = 0.0
+            s_qg = 0.0
+            s_cw = 0.0
+            s_c1 = 0.0
+            pd = pidx[hh, hh]
+            fr = nqe * npx + r
             for j in range(mt):
                 p = kept_idx[j]
                 if p > t:
                     if tail:
                         Wd[r, j] = 0.0
                         if fixed_var:
-                            Wxf[nqe * npx + r, j] = 0.0
+                            Wxf[fr, j] = 0.0
                     continue
                 w = We[r, j]
-                kmass[r] += E[h, q, p]
-                sc[r, _MT] += 1.0
-                sc[r, _SW] += w
-                sc[r, _SW2] += w * w
+                km += w * piv[j]
+                n_t += 1.0
+                sw += w
+                sw2 += w * w
                 if tail:
                     wd = cw[j] * w * w
                     Wd[r, j] = wd
-                    sc[r, _SC] += wd
-                    sc[r, _Q] += wd * vn2g[p]
+                    s_c += wd
+                    s_q += wd * vn2g[p]
                     if use_os:
-                        sc[r, _QG] += wd * vqg[pidx[hh, hh], p]
+                        s_qg += wd * vqg[pd, p]
                     if fixed_var:
-                        Wxf[nqe * npx + r, j] = cw[j] * w
-                        sc[r, _SCW] += cw[j] * w
-                        sc[r, _SC1] += cw[j]
+                        Wxf[fr, j] = cw[j] * w
+                        s_cw += cw[j] * w
+                        s_c1 += cw[j]
+            kmass[r] = km
+            sc[r, _MT] = n_t
+            sc[r, _SW] = sw
+            sc[r, _SW2] = sw2
+            sc[r, _SC] = s_c
+            sc[r, _Q] = s_q
+            sc[r, _QG] = s_qg
+            sc[r, _SCW] = s_cw
+            sc[r, _SC1] = s_c1
         if tail and use_os:
             x = 0
             for ha in range(G):

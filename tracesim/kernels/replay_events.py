@@ -84,6 +84,33 @@ def estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv):
 
 
 @nb.njit(cache=True, parallel=True)
+def exp_logits_kernel(Q, K, qpos, scale, G, E):
+    """``E[h, q, p] = exp(s - max_p s)`` with ``s = scale q.k_p`` for ``p <= qpos[q]``, else 0.
+
+    ``Q`` (H, NQ, d), ``K`` (n_kv, P, d); query head h uses KV head ``h // G``.
+    """
+    H, NQ, d = Q.shape
+    P = K.shape[1]
+    for job in nb.prange(H * NQ):
+        h = job // NQ
+        q = job % NQ
+        g = h // G
+        n = min(qpos[q] + 1, P)
+        top = -np.inf
+        for p in range(n):
+            acc = 0.0
+            for k in range(d):
+                acc += Q[h, q, k] * K[g, p, k]
+            acc *= scale
+            E[h, q, p] = acc
+            top = max(top, acc)
+        for p in range(n):
+            E[h, q, p] = np.exp(E[h, q, p] - top)
+        for p in range(n, P):
+            E[h, q, p] = 0.0
+
+
+@nb.njit(cache=True, parallel=True)
 def truth_kernel(E, V, qrows, truth, zfull):
     """Full-cache outputs (H, NQ, d) and normalisers (H, NQ) through :func:`estimate_block`."""
     H = E.shape[0]
@@ -112,7 +139,6 @@ def event_stats_kernel(E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top):
     """
     H, NQ, P = E.shape
     n_ev = ev_qptr.size - 1
-    n_kv = H // G
     for job in nb.prange(n_ev * H):
         e = job // H
         h = job % H
@@ -131,34 +157,50 @@ def event_stats_kernel(E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top):
                 pv = prow[p]
                 if pv < 1.0:
                     pop += 1
-                    w = E[h, q, p] / zf
+                    w = E[h, q, p]
                     if pv > 0.0:
                         el += w
                         n_el += 1
                     else:
                         em += w
                         ex_max = max(ex_max, w)
+            # Normalised once at the end (a division per token would dominate the loop).
             stats[j, h, S_POP] = pop
-            stats[j, h, S_EV_MASS] = em
-            stats[j, h, S_EV_MAX] = ex_max
-            stats[j, h, S_ELIG_MASS] = el
+            stats[j, h, S_EV_MASS] = em / zf
+            stats[j, h, S_EV_MAX] = ex_max / zf
+            stats[j, h, S_ELIG_MASS] = el / zf
             stats[j, h, S_N_ELIG] = n_el
-            for k in range(top.shape[2]):
-                top[j, h, k] = -1
-            if n_el == 0:
-                continue
-            cand = np.empty(n_el, dtype=np.int64)
-            wts = np.empty(n_el)
-            c = 0
-            for p in range(min(t + 1, P)):
-                if 0.0 < prow[p] < 1.0:
-                    cand[c] = p
-                    wts[c] = -E[h, q, p]
-                    c += 1
-            order = np.argsort(wts, kind="mergesort")
-            for k in range(min(top.shape[2], n_el)):
-                top[j, h, k] = cand[order[k]]
-    _ = n_kv
+            _top_eligible(E[h, q], prow, min(t + 1, P), top[j, h])
+
+
+@nb.njit(cache=True)
+def _top_eligible(erow, prow, n, out):
+    """The ``out.size`` heaviest eligible (0 < pi < 1) positions, heaviest first (-1 padded).
+
+    Insertion into a short sorted list: O(n) for typical rows (most tokens are lighter than the
+    current K-th and rejected at once). Ties keep the earlier position first.
+    """
+    K = out.size
+    wts = np.empty(K)
+    count = 0
+    for p in range(n):
+        if not 0.0 < prow[p] < 1.0:
+            continue
+        w = erow[p]
+        if count == K and w <= wts[K - 1]:
+            continue
+        i = count if count < K else K - 1
+        while i > 0 and wts[i - 1] < w:
+            if i < K:
+                wts[i] = wts[i - 1]
+                out[i] = out[i - 1]
+            i -= 1
+        wts[i] = w
+        out[i] = p
+        if count < K:
+            count += 1
+    for k in range(count, K):
+        out[k] = -1
 
 
 @nb.njit(cache=True)

@@ -20,6 +20,7 @@ from tracesim.kernels.replay_events import (
     N_STATS,
     TOP_ELIGIBLE,
     event_stats_kernel,
+    exp_logits_kernel,
     truth_kernel,
 )
 from tracesim.policies import LayerTrace, Policy
@@ -103,14 +104,11 @@ class LayerResult:
 
 def exp_logits(trace: LayerTrace, qidx: np.ndarray) -> np.ndarray:
     """``exp(s - max s)`` per (head, evaluated query, position) with causal zeros, float64."""
-    H, P, G = trace.n_heads, trace.n_positions, trace.group_size
-    qpos = trace.query_positions[qidx]
-    mask = np.arange(P)[None, :] > qpos[:, None]
-    E = np.empty((H, qidx.size, P))
-    for h in range(H):
-        s = trace.queries[h, qidx] @ trace.keys[h // G].T * trace.scale
-        s[mask] = -np.inf
-        E[h] = np.exp(s - s.max(axis=1, keepdims=True))
+    E = np.empty((trace.n_heads, qidx.size, trace.n_positions))
+    exp_logits_kernel(np.ascontiguousarray(trace.queries[:, qidx]),
+                      np.ascontiguousarray(trace.keys), np.ascontiguousarray(
+                          trace.query_positions[qidx], dtype=np.int64),
+                      float(trace.scale), trace.group_size, E)
     return E
 
 

@@ -1,0 +1,128 @@
+"""Replay engine speed: numba vs a vectorized torch baseline, and useful FLOP rate vs SGEMM.
+
+Side by side in one run, per context length, on one SmolLM2-shaped layer (9 query heads,
+3 KV heads, head_dim 64, 32 decode queries) and 54 one-shot policies (6 scores x
+{topk, poisson, bernoulli} x budgets {0.1, 0.25, 0.5}) x 32 seeds:
+
+- ``numba``: :func:`tracesim.replay.replay_layer` without the output-space certificate (the
+  math the torch baseline implements), and ``numba+os`` with it (the default);
+- ``torch``: :mod:`benchmarks.torch_replay`, the same math vectorized in torch (float64);
+- useful FLOPs: ``4 d`` per kept key the query sees (logit + weighted value) and ``2 d`` per kept
+  tail key for certified policies (the certificate's pass), per query, head and seed — the
+  engine shares logits across policies and seeds, so it does less than this count;
+- SGEMM: numpy float32 ``4096^2`` matmul, best of 3, measured in the same run.
+
+Results of numba and torch are checked against each other (rtol 1e-8).
+
+Usage: ``python benchmarks/bench_replay.py [--positions 1024,4096] [--seeds 32]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.torch_replay import torch_replay  # noqa: E402
+from tests.replay_fixtures import synthetic_trace  # noqa: E402
+from tracesim.kernels import replay as K  # noqa: E402
+from tracesim.policies import make_policy  # noqa: E402
+from tracesim.replay import ReplayOptions, replay_layer  # noqa: E402
+from tracesim.replay.inclusion import seed_uniforms  # noqa: E402
+
+SCORES = ("snapkv", "h2o", "tova", "knorm", "streaming", "vnorm")
+DESIGNS = ("topk", "poisson", "bernoulli")
+BUDGETS = (0.1, 0.25, 0.5)
+
+
+def sgemm_rate(n: int = 4096, repeats: int = 3) -> float:
+    """GFLOP/s of a float32 n x n matmul (numpy's BLAS, all threads), best of ``repeats``."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a @ b
+    best = np.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def policies() -> list:
+    return [make_policy(s, d, b, design_params={"mixture": 0.1} if d == "poisson" else None)
+            for s in SCORES for d in DESIGNS for b in BUDGETS]
+
+
+def useful_flops(res, pols) -> float:
+    """4 d per kept visible key (+ 2 d per kept visible tail key if certified) per row."""
+    d = res.trace.keys.shape[2]
+    tau = res.tables.tau[res.tables.slot_ev[res.tables.it_slot]]  # (n_iter,)
+    decode_vis = res.query_positions[None, :] - tau[:, None] + 1  # (n_iter, NQ)
+    kept_vis = res.out[..., K.F_KEPT] + decode_vis[:, None, :]
+    cert = np.array([pols[c].certified for c in res.tables.it_cfg])[:, None, None]
+    return float((4 * d * kept_vis + 2 * d * res.out[..., K.F_TAIL] * cert).sum())
+
+
+def run(P: int, seeds: int, n_queries: int = 32) -> dict:
+    trace = synthetic_trace(0, n_heads=9, n_kv=3, d=64, P=P, prompt_length=P - n_queries,
+                            hidden=576)
+    pols = policies()
+    seed_arr = np.arange(seeds)
+    warm = replay_layer(trace, pols[:4], seed_arr[:2], n_layers=30)
+    del warm
+    t = time.perf_counter()
+    res = replay_layer(trace, pols, seed_arr, n_layers=30,
+                       options=ReplayOptions(output_space=False))
+    t_numba = time.perf_counter() - t
+    t = time.perf_counter()
+    replay_layer(trace, pols, seed_arr, n_layers=30)
+    t_os = time.perf_counter() - t
+    u = seed_uniforms(seed_arr, trace.layer, trace.n_kv_heads, P)
+    t = time.perf_counter()
+    ref = torch_replay(trace, pols, res.tables, u)
+    t_torch = time.perf_counter() - t
+    for name, f in (("err2", K.F_ERR2), ("cert2", K.F_CERT2), ("wald", K.F_WALD),
+                    ("tail", K.F_TAIL), ("out_mass", K.F_OUT_MASS), ("ev_max", K.F_EV_MAX)):
+        np.testing.assert_allclose(res.out[..., f], ref[name], rtol=1e-8, atol=1e-12,
+                                   err_msg=name)
+    return {"P": P, "policies": len(pols), "seeds": seeds, "iterations": res.tables.it_cfg.size,
+            "numba": t_numba, "numba_os": t_os, "torch": t_torch,
+            "useful_gflop": useful_flops(res, pols) / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--positions", default="1024,4096")
+    parser.add_argument("--seeds", type=int, default=32)
+    args = parser.parse_args()
+    import numba
+    import torch
+
+    threads = numba.get_num_threads()
+    torch.set_num_threads(threads)
+    rates = [sgemm_rate()]
+    rows = [run(int(p), args.seeds) for p in args.positions.split(",")]
+    rates.append(sgemm_rate())
+    sgemm = max(rates)
+    print(f"threads: numba {threads}, torch {torch.get_num_threads()}; SGEMM (numpy float32 "
+          f"4096^2, best of 3, before/after): {rates[0]:.0f} / {rates[1]:.0f} GFLOP/s")
+    head = (f"{'P':>5} {'pol':>4} {'seeds':>5} {'iters':>5} {'numba s':>8} {'+os s':>7} "
+            f"{'torch s':>8} {'speedup':>8} {'useful GF':>9} {'GFLOP/s':>8} {'% SGEMM':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        rate = r["useful_gflop"] / r["numba"]
+        print(f"{r['P']:>5} {r['policies']:>4} {r['seeds']:>5} {r['iterations']:>5} "
+              f"{r['numba']:>8.2f} {r['numba_os']:>7.2f} {r['torch']:>8.2f} "
+              f"{r['torch'] / r['numba']:>7.1f}x {r['useful_gflop']:>9.1f} {rate:>8.1f} "
+              f"{100 * rate / sgemm:>7.1f}%")
+
+
+if __name__ == "__main__":
+    main()
