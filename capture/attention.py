@@ -207,15 +207,18 @@ class CaptureState:
         kv_pos = torch.arange(kv_len, device=query.device)
         for a in range(0, n_q, self.h2o_chunk):
             b = min(n_q, a + self.h2o_chunk)
+            # Causal: keys after the chunk's last query get no attention, so skip them (halves
+            # the work of a one-shot prefill).
+            stop = min(kv_len, q_offset + b)
             q32 = query[:, a:b].float().reshape(n_kv, group, b - a, head_dim)
-            logits = torch.matmul(q32, k32[:, None]) * scaling  # (H_kv, group, c, kv_len)
+            logits = torch.matmul(q32, k32[:, None, :, :stop]) * scaling  # (H_kv, g, c, stop)
             if mask is not None:
-                allowed = mask[0, 0, a:b, :kv_len]
+                allowed = mask[0, 0, a:b, :stop]
             else:
                 q_pos = torch.arange(q_offset + a, q_offset + b, device=query.device)
-                allowed = kv_pos[None, :] <= q_pos[:, None]
+                allowed = kv_pos[None, :stop] <= q_pos[:, None]
             logits = logits.masked_fill(~allowed, float("-inf"))
-            acc += torch.softmax(logits, dim=-1).sum(dim=2).reshape(n_heads, kv_len)
+            acc[:, :stop] += torch.softmax(logits, dim=-1).sum(dim=2).reshape(n_heads, stop)
         if rec.h2o is None:
             rec.h2o = acc
         else:

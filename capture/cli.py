@@ -64,13 +64,30 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from capture.runner import CaptureConfig, accuracy_table, run_capture
+    from capture.runner import accuracy_table
 
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     compute = None if args.compute_dtype == "auto" else args.compute_dtype
-    summary = run_capture(
+    try:
+        summary = _run(args, tasks, device, compute)
+    except (ValueError, FileNotFoundError) as exc:
+        # Bad lengths, a store holding another model (StoreError), a missing checkpoint.
+        print(f"tracesim capture: {exc}")
+        return 2
+    print(f"wrote {len(summary.written)} sequence(s), skipped {len(summary.skipped)} already "
+          f"stored, into {args.out}")
+    if summary.written:
+        print("full-cache accuracy of the sequences written now:")
+        print(accuracy_table(summary.correct))
+    return 0
+
+
+def _run(args: argparse.Namespace, tasks: list[str], device: str, compute: str | None):
+    from capture.runner import CaptureConfig, run_capture
+
+    return run_capture(
         args.model,
         tasks,
         args.n,
@@ -89,9 +106,3 @@ def run(args: argparse.Namespace) -> int:
         store_o_proj=not args.no_o_proj,
         progress=not args.quiet,
     )
-    print(f"wrote {len(summary.written)} sequence(s), skipped {len(summary.skipped)} already "
-          f"stored, into {args.out}")
-    if summary.written:
-        print("full-cache accuracy of the sequences written now:")
-        print(accuracy_table(summary.correct))
-    return 0

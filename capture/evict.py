@@ -164,7 +164,8 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
         state.end()
     finally:
         _restore(prefill.cache, P)
-    kept = np.stack([plans[layer].kept.sum(dim=1).numpy() for layer in sorted(plans)])
+    kept = (np.stack([plans[layer].kept.sum(dim=1).numpy() for layer in sorted(plans)])
+            if plans else np.full((1, 1), P))
     return DecodeResult(generated, logprobs, bool(generated[-1] in eos_ids), state.certificates,
                         kept)
 

@@ -219,6 +219,9 @@ def run_capture(
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; expected some of {TASKS}")
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device, compute_dtype)
+    for task in tasks:
+        # Fail before writing anything if a task does not fit the length.
+        build_prompt(loaded.tokenizer, task, length, instance_seed(task, length, seed, 0), depth)
     o_proj = o_proj_weights(loaded.model) if store_o_proj else None
     plan = [(t, i) for t in tasks for i in range(n)]
     summary = CaptureSummary([], [], {t: [] for t in tasks})

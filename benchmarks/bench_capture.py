@@ -1,0 +1,110 @@
+"""Capture overhead and trace size.
+
+For the same prompts, side by side in one run (interleaved, best of ``--repeats``):
+
+- ``plain``: greedy generation with transformers' SDPA attention, nothing recorded;
+- ``hook idle``: the capture attention function registered but no state attached (its mask path);
+- ``record``: generation with recording (K/V, windows, decode queries, chunked H2O) + finalize;
+- ``write``: writing the recorded sequence into a trace store (fp16 and fp32).
+
+Bytes per token is the tensor file size divided by the number of stored positions.
+
+Usage::
+
+    python benchmarks/bench_capture.py [--model smollm2] [--lengths 512,1024] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from capture.attention import CAPTURE_ATTN
+from capture.generate import greedy_generate
+from capture.models import load_model, o_proj_weights, set_attention
+from capture.runner import CaptureConfig, _eos_ids, capture_prompt, model_meta
+from capture.tasks import build_prompt, instance_seed
+from tracesim.store import TraceWriter
+
+
+def _time(fn, *args) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - t0, result
+
+
+def _write(loaded, row, layers, dtype: str, root: Path, name: str) -> tuple[float, int]:
+    store = root / f"{name}-{dtype}"
+    with TraceWriter(store, model_meta(loaded, dtype), o_proj=None) as writer:
+        t0 = time.perf_counter()
+        with writer.sequence(name, **row) as sw:
+            for layer, a in enumerate(layers):
+                sw.add_layer(layer, keys=a.keys, values=a.values, queries=a.queries,
+                             outputs=a.outputs, h2o=a.h2o)
+        seconds = time.perf_counter() - t0
+    n_bytes = sum(p.stat().st_size for p in (store / "seq").iterdir())
+    return seconds, n_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--task", default="passkey")
+    ap.add_argument("--lengths", default="512,1024")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    args = ap.parse_args(argv)
+
+    loaded = load_model(args.model, args.device)
+    model = loaded.model
+    eos = _eos_ids(loaded)
+    budget = args.max_new_tokens
+    cfg = CaptureConfig(max_new_tokens=budget)
+    o_proj_bytes = o_proj_weights(model).nbytes
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for length in [int(x) for x in args.lengths.split(",")]:
+            prompt = build_prompt(loaded.tokenizer, args.task, length,
+                                  instance_seed(args.task, length, 0, 0))
+            times: dict[str, list[float]] = {"plain": [], "idle": [], "record": []}
+            for _ in range(args.repeats):
+                # Interleaved so that load from other processes hits all variants alike.
+                set_attention(model, "sdpa")
+                t, plain = _time(greedy_generate, model, prompt.token_ids, budget, eos)
+                times["plain"].append(t)
+                set_attention(model, CAPTURE_ATTN)
+                t, _ = _time(greedy_generate, model, prompt.token_ids, budget, eos)
+                times["idle"].append(t)
+                t, (row, layers) = _time(capture_prompt, loaded, prompt, cfg)
+                times["record"].append(t)
+                assert row["generated_ids"] == plain.generated_ids
+            w16, b16 = _write(loaded, row, layers, "float16", Path(tmp), f"L{length}")
+            w32, b32 = _write(loaded, row, layers, "float32", Path(tmp), f"L{length}")
+            best = {k: min(v) for k, v in times.items()}
+            rows.append(dict(
+                length=prompt.prompt_length, n_pos=row["n_positions"], n_query=row["n_query"],
+                plain=best["plain"], idle=best["idle"], record=best["record"],
+                spread=max(statistics.pstdev(v) for v in times.values()),
+                w16=w16, w32=w32, bpt16=b16 / row["n_positions"], bpt32=b32 / row["n_positions"],
+            ))
+
+    print(f"model {loaded.model_id} on {args.device}, {args.task}, "
+          f"{args.max_new_tokens} new tokens, best of {args.repeats}")
+    print(f"{'prompt':>6} {'stored':>6} {'queries':>7} {'plain s':>8} {'idle s':>7} "
+          f"{'record s':>8} {'idle/plain':>10} {'record/plain':>12} {'write16 s':>9} "
+          f"{'write32 s':>9} {'B/tok fp16':>10} {'B/tok fp32':>10}")
+    for r in rows:
+        print(f"{r['length']:>6} {r['n_pos']:>6} {r['n_query']:>7} {r['plain']:>8.2f} "
+              f"{r['idle']:>7.2f} {r['record']:>8.2f} {r['idle'] / r['plain']:>10.2f} "
+              f"{r['record'] / r['plain']:>12.2f} {r['w16']:>9.2f} {r['w32']:>9.2f} "
+              f"{r['bpt16']:>10.0f} {r['bpt32']:>10.0f}")
+    print(f"o_proj (stored once per store, float32): {o_proj_bytes / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
