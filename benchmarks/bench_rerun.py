@@ -1,0 +1,136 @@
+"""Replay vs re-running SmolLM2 for the same (policy, seed) configurations.
+
+Side by side in one run:
+
+- ``rerun``: what evaluating one configuration in the loop costs at least — SmolLM2 (via
+  ``capture.models``, SDPA, CPU) decodes ``--decode`` steps after a shared, cached prefill, with
+  the configuration's eviction as an additive ``-inf`` mask; the cache is cropped back after
+  each run. The prefill is *not* charged to any configuration (one-shot compression does not
+  change it), so this is a lower bound on the rerun cost. A few runs are timed and the mean is
+  multiplied by the number of (policy, seed) pairs.
+- ``replay``: :func:`tracesim.replay.replay` of the same policies and seeds over every layer of
+  one sequence with the same context, read from disk: by default a synthetic store with
+  SmolLM2's shapes (30 layers, 9/3 heads, d=64) and random tensors (replay cost depends on the
+  shapes and budgets, not on the values); ``--traces DIR`` uses a real store instead (its
+  first sequence; the rerun uses ``--context``, so match them).
+
+They do not produce the same thing: a rerun gives closed-loop generations, the replay gives
+open-loop attention errors and certificates for every layer, head and query. This compares cost.
+
+Usage: ``python benchmarks/bench_rerun.py [--context 1024 --decode 16 --seeds 32]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tracesim.policies import policy_grid  # noqa: E402
+from tracesim.replay import replay  # noqa: E402
+from tracesim.store import open_store  # noqa: E402
+
+
+def synthetic_smollm2_store(path: Path, context: int, n_decode: int) -> None:
+    """A store with SmolLM2's shapes (30 layers, 9/3 heads, d=64) and random tensors."""
+    from benchmarks.bench_memory import write_store
+
+    write_store(path, n_layers=30, P=context + n_decode, n_heads=9, n_kv=3, d=64,
+                n_decode=n_decode)
+
+
+def rerun_seconds(context: int, n_decode: int, runs: int, threads: int) -> tuple[float, float]:
+    """(seconds per configuration rerun, prefill seconds) with SmolLM2 on CPU."""
+    import torch
+    from transformers import DynamicCache
+
+    from capture.generate import _cache_kwarg
+    from capture.models import load_model
+
+    torch.set_num_threads(threads)
+    model = load_model("smollm2", attn_implementation="sdpa").model
+    kw = _cache_kwarg(model)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 20000, (1, context), generator=gen)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = model(input_ids=ids, position_ids=torch.arange(context)[None], use_cache=True,
+                    logits_to_keep=1, **{kw: cache})
+        prefill = time.perf_counter() - t
+        first = out.logits[0, -1].argmax().view(1, 1)
+        times = []
+        for r in range(runs):
+            keep = torch.rand(context, generator=gen) < 0.25
+            keep[:4] = True
+            keep[-32:] = True
+            tok = first
+            t = time.perf_counter()
+            for step in range(n_decode):
+                kv = context + step + 1
+                mask = torch.zeros(1, 1, 1, kv)
+                mask[..., :context][..., ~keep] = -torch.inf
+                o = model(input_ids=tok, position_ids=torch.tensor([[context + step]]),
+                          attention_mask=mask, use_cache=True, logits_to_keep=1,
+                          **{kw: cache})
+                tok = o.logits[0, -1].argmax().view(1, 1)
+            cache.crop(-(cache.get_seq_length() - context))
+            times.append(time.perf_counter() - t)
+            del r
+    return float(np.mean(times)), prefill
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--seeds", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3, help="reruns actually timed")
+    parser.add_argument("--traces", default=None)
+    args = parser.parse_args()
+    import numba
+
+    threads = numba.get_num_threads()
+    pols = policy_grid(["snapkv", "h2o"], ["topk", "poisson", "bernoulli"], [0.25, 0.5],
+                       design_params={"poisson": {"mixture": 0.1}})
+    pairs = sum(args.seeds if p.needs_seeds else 1 for p in pols)
+    with tempfile.TemporaryDirectory() as tmp:
+        traces = Path(args.traces) if args.traces else None
+        label = str(traces)
+        if traces is None:
+            traces = Path(tmp) / "synthetic"
+            synthetic_smollm2_store(traces, args.context, args.decode)
+            label = f"synthetic SmolLM2-shaped store ({args.context}+{args.decode} positions)"
+        store = open_store(traces)
+        seq = store.sequence_ids[:1]
+        replay(store, pols[:2], seeds=2, layers=[0], sequences=seq, progress=False)  # warm
+        t = time.perf_counter()
+        table = replay(store, pols, seeds=args.seeds, sequences=seq, progress=False)
+        t_replay = time.perf_counter() - t
+        n_pos = int(store[seq[0]].n_positions)
+    try:
+        per_run, prefill = rerun_seconds(args.context, args.decode, args.runs, threads)
+    except (ImportError, FileNotFoundError) as exc:
+        print(f"capture/SmolLM2 not available ({exc}); replay alone: {t_replay:.1f} s")
+        return
+    t_rerun = per_run * pairs
+    print(f"traces: {label}; sequence of {n_pos} positions; threads {threads}")
+    print(f"{len(pols)} policies, {args.seeds} seeds -> {pairs} (policy, seed) pairs "
+          f"(deterministic policies once)")
+    print(f"{'':<34} {'seconds':>10}")
+    print(f"{'SmolLM2 prefill (shared, not charged)':<34} {prefill:>10.2f}")
+    print(f"{'rerun, one configuration':<34} {per_run:>10.2f}   ({args.decode} decode steps)")
+    print(f"{'rerun, all pairs (extrapolated)':<34} {t_rerun:>10.1f}")
+    print(f"{'replay, all pairs, all 30 layers':<34} {t_replay:>10.1f}   "
+          f"({table.num_rows} result rows)")
+    print(f"replay speedup over rerun: {t_rerun / t_replay:.0f}x")
+
+
+if __name__ == "__main__":
+    main()
