@@ -19,6 +19,7 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "tracesim.sweep.cli",
     "tracesim.adversary",
     "capture.evict_run",
+    "analysis.cli",
 )
 
 

@@ -1,0 +1,112 @@
+"""The final step: compact task files into one Parquet file and write ``summary.json``.
+
+Only the files of the current plan's tasks are read (stale files of earlier specs are ignored),
+each is checked against its task (key, row count), and rows are written in a fixed order
+(store, sequence, layer, configuration chunk), to a temp file that is fsynced and renamed. So
+``results/results.parquet`` holds every task's rows exactly once, or does not exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from tracesim.sweep.tasks import META_KEY, Task, sweep_schema
+
+__all__ = ["RESULTS_FILE", "SUMMARY_FILE", "compact", "find_prereg", "sha256_file",
+           "tasks_digest", "write_json"]
+
+RESULTS_FILE = "results/results.parquet"
+SUMMARY_FILE = "results/summary.json"
+
+
+def sha256_file(path: Path) -> str:
+    """``sha256:<hex>`` of a file's bytes (the format of ``analysis.prereg.prereg_hash``)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def tasks_digest(tasks: Sequence[Task]) -> str:
+    """sha256 of the sorted task keys: identifies the exact set of task files compacted."""
+    return hashlib.sha256("\n".join(sorted(t.key for t in tasks)).encode()).hexdigest()
+
+
+def find_prereg(explicit: Path | None, spec_source: str) -> Path | None:
+    """The pre-registration file: the spec's ``prereg``, else ``data/prereg.yaml`` found in the
+    current directory or in the spec file's directory or one of its parents (the repo root)."""
+    if explicit is not None:
+        return explicit
+    places = [Path.cwd()]
+    src = Path(spec_source)
+    if spec_source != "<dict>" and src.exists():
+        places += [src.resolve().parent, *src.resolve().parent.parents]
+    for place in places:
+        candidate = place / "data" / "prereg.yaml"
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+def _fsync_replace(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """Write JSON atomically (temp + fsync + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    _fsync_replace(tmp, path)
+
+
+def compact(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[str]) -> int:
+    """Concatenate the task files into ``results/results.parquet``; return its row count.
+
+    Raises
+    ------
+    RuntimeError
+        If a task file is missing or does not match its task (nothing is written then).
+    """
+    out_dir = Path(out_dir)
+    rank = {name: i for i, name in enumerate(store_order)}
+    ordered = sorted(tasks, key=lambda t: (rank.get(t.store, len(rank)), t.sequence_id,
+                                           t.layers, t.configs))
+    path = out_dir / RESULTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    schema = sweep_schema()
+    rows = 0
+    try:
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+            for task in ordered:
+                f = pq.ParquetFile(out_dir / task.path)
+                meta = json.loads((f.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
+                if meta.get("key") != task.key or f.metadata.num_rows != task.rows:
+                    raise RuntimeError(f"{task.path}: does not match its task (key "
+                                       f"{meta.get('key')} vs {task.key}, rows "
+                                       f"{f.metadata.num_rows} vs {task.rows})")
+                for i in range(f.num_row_groups):
+                    writer.write_table(f.read_row_group(i).replace_schema_metadata(None))
+                rows += task.rows
+        _fsync_replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return rows

@@ -1,0 +1,310 @@
+"""The ``grid`` part of a sweep spec: scores × designs × corrections × budgets × allocators ×
+schedules, with per-score / per-design / per-allocator hyperparameters.
+
+The grammar (documented in ``docs/sweeps.md``) is plain YAML data; nothing is executed or
+imported. Every list-valued key may also be given as a single value. A hyperparameter given as
+a list is swept (Cartesian product); the expansion is deduplicated by :attr:`Policy.id` and
+keeps the order of the spec. The grid may also be a list of such mappings (their union).
+
+>>> [p.id for p in parse_grid({"score": "full"})]
+['full']
+
+Other commands (e.g. ``tracesim evict --grid``) reuse :func:`parse_grid`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from tracesim.budgets import ALLOCATORS, Budget
+from tracesim.designs import DESIGNS, make_design
+from tracesim.policies import CORRECTIONS, SCORES, Policy, make_score
+from tracesim.schedules import Schedule
+
+__all__ = ["GRID_KEYS", "GridExpansion", "SpecError", "expand_grid", "parse_grid"]
+
+#: Keys of a grid mapping -> (required, meaning).
+GRID_KEYS: dict[str, tuple[bool, str]] = {
+    "score": (True, f"scores, any of {sorted(SCORES)}"),
+    "design": (False, f"inclusion designs, any of {sorted(DESIGNS)} (required unless every "
+                      "score is 'full')"),
+    "correction": (False, "corrections: auto (default), none, hajek"),
+    "budget": (False, "budgets: fractions of the context in (0, 1] as floats (0.25, 1.0) or "
+                      "token counts as integers >= 1 (512) (required unless every score is "
+                      "'full')"),
+    "allocator": (False, f"budget allocators, any of {list(ALLOCATORS)} (default uniform)"),
+    "schedule": (False, "schedules: oneshot (default), decode (every 16 steps), decode:K"),
+    "score_params": (False, "per-score hyperparameters {score: {param: value or [values]}}; "
+                            "the key '*' applies to every score that has the parameter"),
+    "design_params": (False, "per-design hyperparameters {design: {param: value or [values]}}"),
+    "allocator_params": (False, "allocator hyperparameters: adakv: {alpha}, pyramidkv: {beta}"),
+}
+
+_ALLOCATOR_PARAMS = {"uniform": (), "adakv": ("alpha",), "pyramidkv": ("beta",)}
+
+
+class SpecError(ValueError):
+    """An invalid sweep spec or grid; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class GridExpansion:
+    """A parsed grid: the policies and the combinations left out as incompatible."""
+
+    policies: list[Policy]
+    skipped: list[str]
+
+
+def _fail(where: str, message: str) -> SpecError:
+    return SpecError(f"{where}: {message}")
+
+
+def _as_list(value: Any, where: str) -> list[Any]:
+    items = list(value) if isinstance(value, list) else [value]
+    if not items:
+        raise _fail(where, "is empty; give at least one value")
+    return items
+
+
+def _names(value: Any, where: str, registry: Any, kind: str) -> list[str]:
+    out = []
+    for i, name in enumerate(_as_list(value, where)):
+        key = f"{where}[{i}]" if isinstance(value, list) else where
+        if not isinstance(name, str):
+            raise _fail(key, f"{name!r} is not a {kind} name (a string)")
+        if name not in registry:
+            raise _fail(key, f"unknown {kind} {name!r}; expected one of {sorted(registry)}")
+        out.append(name)
+    return out
+
+
+def _budget(value: Any, where: str) -> tuple[float, str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(where, f"{value!r} is not a budget; give a fraction in (0, 1] (e.g. 0.25) "
+                           "or a token count (an integer >= 1)")
+    if isinstance(value, int):
+        if value < 1:
+            raise _fail(where, f"{value} is not a token budget (an integer >= 1); give "
+                               "fractions as floats in (0, 1]")
+        return float(value), "tokens"
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise _fail(where, f"{value} is not a fraction in (0, 1] — give token budgets as "
+                           "integers >= 1")
+    return float(value), "fraction"
+
+
+def _schedule(value: Any, where: str) -> Schedule:
+    if not isinstance(value, str):
+        raise _fail(where, f"{value!r} is not a schedule; expected 'oneshot', 'decode' or "
+                           "'decode:K'")
+    kind, sep, every = value.partition(":")
+    if kind not in ("oneshot", "decode") or (sep and kind != "decode"):
+        raise _fail(where, f"unknown schedule {value!r}; expected 'oneshot', 'decode' or "
+                           "'decode:K'")
+    if not sep:
+        return Schedule(kind)
+    if not every.isdigit() or int(every) < 1:
+        raise _fail(where, f"{value!r}: K in 'decode:K' must be an integer >= 1")
+    return Schedule("decode", int(every))
+
+
+def _check_type(value: Any, typ: str, where: str) -> Any:
+    """Check a hyperparameter value against its dataclass field type (a string)."""
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+    }.get(typ.split("|")[0].strip(), True)
+    if not ok:
+        raise _fail(where, f"{value!r} has the wrong type; expected {typ}")
+    return float(value) if typ == "float" else value
+
+
+def _param_combos(params: Any, allowed: dict[str, str], where: str) -> list[dict[str, Any]]:
+    """Expand ``{param: value or [values]}`` into the list of its combinations."""
+    if params is None:
+        return [{}]
+    if not isinstance(params, Mapping):
+        raise _fail(where, f"expected a mapping {{param: value}}, got {type(params).__name__}")
+    names, options = [], []
+    for name, value in params.items():
+        key = f"{where}.{name}"
+        if name not in allowed:
+            raise _fail(key, f"unknown parameter; expected one of {sorted(allowed)}")
+        values = _as_list(value, key)
+        checked = []
+        for i, v in enumerate(values):
+            checked.append(_check_type(v, allowed[name],
+                                       f"{key}[{i}]" if isinstance(value, list) else key))
+        names.append(name)
+        options.append(checked)
+    return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*options)]
+
+
+def _field_types(cls: type) -> dict[str, str]:
+    return {f.name: str(f.type) for f in fields(cls)
+            if f.init and (f.default is not MISSING or f.default_factory is not MISSING)}
+
+
+def _section(grid: Mapping, key: str, names: list[str], registry: Mapping,
+             where: str, types: Any) -> dict[str, list[dict[str, Any]]]:
+    """Per-name hyperparameter combinations of ``score_params`` / ``design_params``."""
+    raw = grid.get(key) or {}
+    if not isinstance(raw, Mapping):
+        raise _fail(f"{where}.{key}", "expected a mapping {name: {param: value}}")
+    for name in raw:
+        if name != "*" and name not in registry:
+            raise _fail(f"{where}.{key}.{name}", f"unknown name; expected one of "
+                                                 f"{sorted(registry)}")
+        if name != "*" and name not in names:
+            raise _fail(f"{where}.{key}.{name}", f"{name!r} is not in the grid's "
+                                                 f"{key.split('_')[0]} list")
+    out = {}
+    for name in names:
+        allowed = types(name)
+        merged: dict[str, Any] = {}
+        star = raw.get("*") or {}
+        if not isinstance(star, Mapping):
+            raise _fail(f"{where}.{key}.*", "expected a mapping {param: value}")
+        merged.update({k: v for k, v in star.items() if k in allowed})
+        unknown = [k for k in star if not any(k in types(n) for n in names)]
+        if unknown:
+            raise _fail(f"{where}.{key}.*.{unknown[0]}", "no listed name has this parameter")
+        merged.update(raw.get(name) or {})
+        label = f"{where}.{key}.{name}" if name in raw else f"{where}.{key}.*"
+        out[name] = _param_combos(merged, allowed, label)
+    return out
+
+
+def _expand_one(grid: Any, where: str) -> GridExpansion:
+    if not isinstance(grid, Mapping):
+        raise _fail(where, f"expected a mapping of {sorted(GRID_KEYS)}, got "
+                           f"{type(grid).__name__}")
+    for key in grid:
+        if key not in GRID_KEYS:
+            raise _fail(f"{where}.{key}", f"unknown key; expected one of {sorted(GRID_KEYS)}")
+    if "score" not in grid:
+        raise _fail(f"{where}.score", "missing; list the scores to sweep")
+    scores = _names(grid["score"], f"{where}.score", SCORES, "score")
+    evicting = any(SCORES[s].evicts for s in scores)
+    for key in ("design", "budget"):
+        if evicting and key not in grid:
+            raise _fail(f"{where}.{key}", f"missing; {GRID_KEYS[key][1]}")
+    designs = (_names(grid["design"], f"{where}.design", DESIGNS, "design")
+               if "design" in grid else ["topk"])
+    corrections = _names(grid.get("correction", "auto"), f"{where}.correction",
+                         CORRECTIONS + ("auto",), "correction")
+    raw_b = grid.get("budget", 1.0)
+    budgets = [_budget(b, f"{where}.budget[{i}]" if isinstance(raw_b, list) else
+                       f"{where}.budget") for i, b in enumerate(_as_list(raw_b,
+                                                                         f"{where}.budget"))]
+    allocators = _names(grid.get("allocator", "uniform"), f"{where}.allocator",
+                        {a: None for a in ALLOCATORS}, "allocator")
+    raw_s = grid.get("schedule", "oneshot")
+    schedules = [_schedule(s, f"{where}.schedule[{i}]" if isinstance(raw_s, list) else
+                           f"{where}.schedule")
+                 for i, s in enumerate(_as_list(raw_s, f"{where}.schedule"))]
+    score_p = _section(grid, "score_params", scores, SCORES, where,
+                       lambda n: {k: t for k, t in _field_types(SCORES[n]).items()})
+    design_p = _section(grid, "design_params", designs, DESIGNS, where,
+                        lambda n: _field_types(DESIGNS[n]))
+    alloc_types = {"alpha": "float", "beta": "float"}
+    alloc_p = _section(grid, "allocator_params", allocators, {a: None for a in ALLOCATORS},
+                       where, lambda n: {k: alloc_types[k] for k in _ALLOCATOR_PARAMS[n]})
+    out: dict[str, Policy] = {}
+    skipped: list[str] = []
+    for s in scores:
+        for sp in score_p[s]:
+            try:
+                score = make_score(s, **sp)
+            except ValueError as exc:
+                raise _fail(f"{where}.score_params.{s}", str(exc)) from None
+            if not score.evicts:
+                out.setdefault("full", Policy(score=score))
+                continue
+            for dname in designs:
+                for dp in design_p[dname]:
+                    try:
+                        design = make_design(dname, **dp)
+                    except ValueError as exc:
+                        raise _fail(f"{where}.design_params.{dname}", str(exc)) from None
+                    for corr, (value, unit), alloc, sched in itertools.product(
+                            corrections, budgets, allocators, schedules):
+                        for ap in alloc_p[alloc]:
+                            try:
+                                budget = Budget(value, unit, alloc, **ap)
+                            except ValueError as exc:
+                                raise _fail(f"{where}.allocator_params.{alloc}",
+                                            str(exc)) from None
+                            if design.variance == "fixed" and sched.kind != "oneshot":
+                                skipped.append(f"{s} x {dname} x {sched.label()}: fixed-size "
+                                               "designs support only the oneshot schedule")
+                                continue
+                            try:
+                                p = Policy(score=score, design=design, correction=corr,
+                                           budget=budget, schedule=sched)
+                            except ValueError as exc:
+                                raise _fail(where, str(exc)) from None
+                            out.setdefault(p.id, p)
+    return GridExpansion(list(out.values()), sorted(set(skipped)))
+
+
+def expand_grid(grid: Any, where: str = "grid") -> GridExpansion:
+    """Validate and expand a grid (a mapping, or a list of mappings whose union is taken).
+
+    Parameters
+    ----------
+    grid : mapping or list of mappings
+        Keys :data:`GRID_KEYS`.
+    where : str
+        Prefix of error messages (e.g. ``"spec.yaml: grid"``).
+
+    Returns
+    -------
+    GridExpansion
+
+    Raises
+    ------
+    SpecError
+        Naming the offending key, e.g. ``grid.budget[1]: 1.5 is not a fraction in (0, 1]``.
+    """
+    if isinstance(grid, list):
+        if not grid:
+            raise _fail(where, "is empty; give a mapping with at least 'score'")
+        parts = [_expand_one(g, f"{where}[{i}]") for i, g in enumerate(grid)]
+        merged: dict[str, Policy] = {}
+        for part in parts:
+            for p in part.policies:
+                merged.setdefault(p.id, p)
+        return GridExpansion(list(merged.values()),
+                             sorted({s for part in parts for s in part.skipped}))
+    if grid is None or (isinstance(grid, Mapping) and not grid):
+        raise _fail(where, "is empty; give at least 'score' (and 'design' and 'budget')")
+    expansion = _expand_one(grid, where)
+    if not expansion.policies:
+        raise _fail(where, "expands to no configuration (every combination was skipped: "
+                           + "; ".join(expansion.skipped) + ")")
+    return expansion
+
+
+def parse_grid(mapping: Any, where: str = "grid") -> list[Policy]:
+    """Validate and expand a grid into policies (see :func:`expand_grid`).
+
+    Parameters
+    ----------
+    mapping : mapping or list of mappings
+        The ``grid`` part of a sweep spec (already loaded with ``yaml.safe_load``).
+    where : str, default "grid"
+        Prefix of error messages.
+
+    Returns
+    -------
+    list of Policy
+        In spec order, deduplicated by id.
+    """
+    return expand_grid(mapping, where).policies

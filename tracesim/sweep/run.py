@@ -1,0 +1,269 @@
+"""Running a sweep: plan, skip finished tasks, execute on a backend, compact, summarize."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tracesim.sweep.backends import BACKENDS, Events, run_dask, run_local
+from tracesim.sweep.compact import (
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    compact,
+    find_prereg,
+    sha256_file,
+    tasks_digest,
+    write_json,
+)
+from tracesim.sweep.spec import SpecError, SweepSpec, load_spec, parse_spec
+from tracesim.sweep.tasks import TaskPlan, plan_tasks, task_file_ok
+from tracesim.sweep.worker import write_configs
+
+__all__ = ["SweepSummary", "default_workers", "resolve_spec", "run_sweep"]
+
+
+@dataclass
+class SweepSummary:
+    """What a sweep run did (also written to ``results/summary.json``).
+
+    Attributes
+    ----------
+    complete : bool
+        Every task finished and ``results/results.parquet`` holds all their rows.
+    tasks : dict
+        ``total``, ``done`` (run now), ``skipped`` (finished before), ``failed``,
+        ``retries``.
+    """
+
+    name: str
+    output: str
+    results: str | None
+    spec_hash: str
+    tasks_digest: str
+    version: str
+    complete: bool
+    tasks: dict[str, int]
+    n_rows: int
+    n_configs: int
+    seeds: list[int]
+    record: str
+    wall_time_s: float
+    backend: str
+    workers: int
+    threads_per_worker: int
+    stores: list[dict[str, str]]
+    prereg: dict[str, str] | None
+    failures: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    created: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_spec(spec_or_path: SweepSpec | Mapping | str | os.PathLike,
+                 out: str | os.PathLike | None = None) -> SweepSpec:
+    """A :class:`SweepSpec` from a spec object, a mapping or a YAML path (``out`` overrides)."""
+    if isinstance(spec_or_path, SweepSpec):
+        if out is None:
+            return spec_or_path
+        return parse_spec(spec_or_path.raw, source=spec_or_path.source,
+                          base_dir=(Path(spec_or_path.source).parent
+                                    if spec_or_path.source != "<dict>" else None), output=out)
+    if isinstance(spec_or_path, Mapping):
+        return parse_spec(spec_or_path, output=out)
+    return load_spec(spec_or_path, output=out)
+
+
+def default_workers(n_tasks: int | None = None) -> int:
+    """One worker per available core (at most one per task)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = max(1, int(cores or 1))
+    return max(1, min(n, n_tasks)) if n_tasks else n
+
+
+def _threads(workers: int, threads: int | None) -> int:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads_per_worker = {threads}: expected >= 1")
+        return int(threads)
+    return max(1, default_workers() // max(1, workers))
+
+
+class _Lock:
+    """An exclusive flock on ``OUT/.sweep.lock`` (released when the process exits)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.fd = os.open(out_dir / ".sweep.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise RuntimeError(f"{out_dir}: another sweep is running on this output "
+                               "directory") from None
+
+    def release(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _prepare(spec: SweepSpec, plan: TaskPlan, out_dir: Path) -> None:
+    (out_dir / "tasks").mkdir(parents=True, exist_ok=True)
+    for stale in (out_dir / "tasks").rglob(".*.tmp"):
+        stale.unlink(missing_ok=True)
+    write_configs(out_dir, plan.spec_hash, spec)
+    write_json(out_dir / "spec.json", {"source": spec.source, "spec": spec.raw,
+                                       "spec_hash": plan.spec_hash})
+    (out_dir / "spec.yaml").write_text(yaml.safe_dump(spec.raw, sort_keys=False))
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="task", desc="sweep", disable=not enabled,
+                dynamic_ncols=True, smoothing=0.1)
+
+
+def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
+              backend: str = "local", workers: int | None = None,
+              threads_per_worker: int | None = None, scheduler: str | None = None,
+              out: str | os.PathLike | None = None, progress: bool = True,
+              retries: int = 2, warm_up: bool = True) -> SweepSummary:
+    """Run (or resume) a sweep and compact its results.
+
+    Parameters
+    ----------
+    spec_or_path : SweepSpec, mapping or path
+        A validated spec, a spec mapping, or a YAML file (see ``docs/sweeps.md``).
+    backend : {"local", "dask"}
+    workers : int, optional
+        Worker processes (default: one per core, at most one per pending task). Ignored with
+        ``scheduler``.
+    threads_per_worker : int, optional
+        numba / BLAS threads per worker (default: cores // workers).
+    scheduler : str, optional
+        Address of an existing Dask scheduler (implies ``backend="dask"``).
+    out : path, optional
+        Output directory (overrides the spec's ``output``).
+    progress : bool
+        tqdm bar of tasks done / failed / remaining, with ETA.
+    retries : int
+        Resubmissions of a failed task (exception or dead worker) before it counts as failed.
+
+    Returns
+    -------
+    SweepSummary
+    """
+    from tracesim import __version__
+
+    t0 = time.perf_counter()
+    if scheduler is not None:
+        backend = "dask"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend = {backend!r}: expected one of {BACKENDS}")
+    spec = resolve_spec(spec_or_path, out)
+    if spec.output is None:
+        raise SpecError(f"{spec.source}: output: missing; give 'output: DIR' in the spec or "
+                        "--out DIR")
+    out_dir = spec.output
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = _Lock(out_dir)
+    try:
+        plan = plan_tasks(spec)
+        _prepare(spec, plan, out_dir)
+        pending = [t for t in plan.tasks if not task_file_ok(out_dir, t)]
+        n_workers = workers or default_workers(len(pending))
+        threads = _threads(n_workers, threads_per_worker)
+        skipped = len(plan.tasks) - len(pending)
+        counts = {"total": len(plan.tasks), "done": 0, "skipped": skipped, "failed": 0,
+                  "retries": 0}
+        failures: list[dict[str, str]] = []
+        notes: list[str] = [f"skipped grid combinations: {s}" for s in spec.skipped]
+        bar = _progress(len(plan.tasks), skipped, progress)
+
+        def post() -> None:
+            left = len(plan.tasks) - counts["done"] - counts["skipped"] - counts["failed"]
+            bar.set_postfix(done=counts["done"], failed=counts["failed"],
+                            retried=counts["retries"], left=left, refresh=False)
+
+        def done(task, info) -> None:
+            counts["done"] += 1
+            post()
+            bar.update(1)
+
+        def retry(task, exc) -> None:
+            counts["retries"] += 1
+            post()
+            bar.refresh()
+
+        def failed(task, exc) -> None:
+            counts["failed"] += 1
+            failures.append({"task": task.path, "error": f"{type(exc).__name__}: {exc}"})
+            post()
+            bar.update(1)
+
+        events = Events(done=done, retry=retry, failed=failed)
+        post()
+        try:
+            if pending and backend == "local":
+                report = run_local(pending, str(out_dir), plan.spec_hash, events,
+                                   workers=n_workers, threads=threads, retries=retries,
+                                   warm=warm_up)
+            elif pending:
+                report = run_dask(pending, str(out_dir), plan.spec_hash, events,
+                                  workers=n_workers, threads=threads, retries=retries,
+                                  scheduler=scheduler, warm=warm_up)
+            else:
+                report = None
+        finally:
+            bar.close()
+        if report is not None:
+            notes += report.notes
+            n_workers, threads = report.workers, report.threads_per_worker
+        results = out_dir / RESULTS_FILE
+        digest = tasks_digest(plan.tasks)
+        complete = counts["failed"] == 0
+        n_rows = 0
+        if complete:
+            n_rows = sum(t.rows for t in plan.tasks)
+            if counts["done"] or not (results.is_file()
+                                      and _same_results(out_dir, plan, digest)):
+                n_rows = compact(out_dir, plan.tasks, [s.name for s in spec.stores])
+        else:
+            results.unlink(missing_ok=True)
+        prereg = find_prereg(spec.prereg, spec.source)
+        summary = SweepSummary(
+            name=spec.name, output=str(out_dir), results=str(results) if complete else None,
+            spec_hash=plan.spec_hash, tasks_digest=digest, version=__version__,
+            complete=complete, tasks=counts, n_rows=n_rows, n_configs=len(spec.policies),
+            seeds=list(spec.seeds), record=spec.record,
+            wall_time_s=round(time.perf_counter() - t0, 3), backend=backend,
+            workers=n_workers, threads_per_worker=threads,
+            stores=[{"name": s.name, "path": str(s.path)} for s in spec.stores],
+            prereg=None if prereg is None else {"path": str(prereg),
+                                                "sha256": sha256_file(prereg)},
+            failures=failures, notes=notes,
+            created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        write_json(out_dir / SUMMARY_FILE, summary.to_dict())
+        return summary
+    finally:
+        lock.release()
+
+
+def _same_results(out_dir: Path, plan: TaskPlan, digest: str) -> bool:
+    """Whether the existing results file was compacted from exactly these task files."""
+    import json
+
+    try:
+        old = json.loads((out_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (old.get("complete") is True and old.get("tasks_digest") == digest
+            and old.get("n_rows") == sum(t.rows for t in plan.tasks))
