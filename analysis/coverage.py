@@ -57,6 +57,7 @@ def cluster_coverage(
     *,
     nominal: float = 0.95,
     alpha: float = 0.05,
+    order: list[str] | None = None,
 ) -> CoverageResult:
     """Coverage per stratum with a GEE (binomial, logit, independence) sandwich interval.
 
@@ -70,6 +71,8 @@ def cluster_coverage(
         Stratum label of each event; default one stratum "all".
     nominal, alpha : float
         Nominal coverage (reported) and the interval's level.
+    order : list of str, optional
+        Order of the strata in the result (default: sorted); absent strata are skipped.
     """
     y = np.asarray(covered, dtype=np.float64)
     groups = np.asarray(clusters)
@@ -79,7 +82,8 @@ def cluster_coverage(
         strata).astype(str).astype(object)
     if labels.shape != y.shape:
         raise ValueError("strata must have the same length as covered")
-    names = sorted(set(labels.tolist()))
+    present = set(labels.tolist())
+    names = [s for s in order if s in present] if order is not None else sorted(present)
     z = stats.norm.ppf(1 - alpha / 2)
     out = {k: [] for k in ("cov", "lo", "hi", "n", "g")}
     _, group_codes = np.unique(groups, return_inverse=True)

@@ -143,7 +143,8 @@ def run_evict(
     }
     prereg = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
     if prereg.is_file():
-        summary["prereg_sha256"] = "sha256:" + hashlib.sha256(prereg.read_bytes()).hexdigest()
+        summary["prereg"] = {"path": str(prereg), "sha256": "sha256:" + hashlib.sha256(
+            prereg.read_bytes()).hexdigest()}
     if table.num_rows:
         df = table.select(["config_id", "correct", "full_correct"]).to_pandas()
         summary["accuracy"] = {k: float(np.mean(v)) for k, v in

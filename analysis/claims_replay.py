@@ -1,0 +1,273 @@
+"""Claims evaluated from the offline simulator: C0 (adversary), C1 (coverage), C2 (attention
+error), C5 (certificate-gated escalation) and C7 (recomputation scheduling).
+
+Inputs are the replay results table (``tracesim replay`` / ``tracesim sweep``; columns in
+``docs/replay.md``) as a pandas DataFrame, aggregated over seeds, and the pre-registration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from analysis.claims import INCONCLUSIVE, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED, ClaimResult
+from analysis.coverage import cluster_coverage
+from analysis.equivalence import paired_tost
+
+__all__ = ["evaluate_c0", "evaluate_c1", "evaluate_c2_attention", "evaluate_c5",
+           "evaluate_c7", "recompute_curves", "tail_bins"]
+
+
+def _claim(prereg, cid: str) -> tuple[dict[str, Any], float]:
+    claim = prereg.claims[cid]
+    return claim, prereg.claim_alpha(cid)
+
+
+def evaluate_c0(adversary: dict[str, Any] | None, prereg) -> ClaimResult:
+    """C0 from the adversary demo's rows (``adversary.json``)."""
+    claim, _ = _claim(prereg, "C0")
+    res = ClaimResult("C0", claim["hypothesis"])
+    if not adversary or not adversary.get("rows"):
+        res.detail = "no adversary demo in the inputs"
+        return res
+    rows = sorted(adversary["rows"], key=lambda r: r["t"])
+    identical = all(r["topk_identical"] for r in rows)
+    e0, e1 = rows[0]["topk_err2"], rows[-1]["topk_err2"]
+    c0, c1 = rows[0]["poisson_cert2"], rows[-1]["poisson_cert2"]
+    growth = e1 / e0 if e0 > 0 else np.inf
+    res.estimate = float(growth)
+    res.extra = {"retained_identical": identical, "topk_err2_first": e0, "topk_err2_last": e1,
+                 "poisson_cert2_first": c0, "poisson_cert2_last": c1,
+                 "t_max": rows[-1]["t"]}
+    ok = identical and growth > 10 and c1 > c0
+    res.verdict = SUPPORTED if ok else NOT_SUPPORTED
+    res.detail = (f"top-k retained cache identical at every t: {identical}; true error grew "
+                  f"{growth:.3g}x from t=0 to t={rows[-1]['t']:g}; Poisson certificate "
+                  f"{c0:.3g} -> {c1:.3g}")
+    return res
+
+
+TAIL_LABELS = ["m<8", "8<=m<32", "32<=m<128", "m>=128"]
+NEFF_LABELS = ["n_eff<4", "4-16", "16-64", ">=64"]
+MASS_LABELS = ["<0.01", "0.01-0.05", "0.05-0.2", ">=0.2"]
+
+
+def tail_bins(m: pd.Series) -> pd.Series:
+    """Stratum labels of the realized tail size."""
+    edges = [-np.inf, 8, 32, 128, np.inf]
+    return pd.cut(m, edges, right=False, labels=TAIL_LABELS).astype(str)
+
+
+def _certified(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["certified"].astype(bool) & df["cert2"].notna()]
+
+
+def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, Any]]:
+    """Certificate coverage, cluster-robust by sequence, stratified by tail size and more."""
+    claim, alpha = _claim(prereg, "C1")
+    res = ClaimResult("C1", claim["hypothesis"])
+    column = {("wald", "primary"): "wald_cov", ("wald", "small_sample"): "wald_t_cov",
+              ("satterthwaite", "primary"): "sat_cov",
+              ("satterthwaite", "small_sample"): "sat_t_cov"}[
+        (claim["primary_event"], claim["certificate"])]
+    df = _certified(results)
+    want = claim.get("compare", {})
+    if "design" in want:
+        df = df[df["design"] == want["design"]]
+    df = df[df[column].notna()] if column in df else df.iloc[0:0]
+    if df.empty:
+        res.detail = f"no certified rows with {column} (primary event {claim['primary_event']})"
+        return res, {}
+    nominal = float(claim["nominal"])
+    threshold = nominal - float(claim.get("margin", 0.0))
+    overall = cluster_coverage(df[column].to_numpy(), df["sequence_id"].to_numpy(),
+                               nominal=nominal, alpha=alpha)
+    res.estimate = float(overall.coverage[0])
+    res.ci_low, res.ci_high = float(overall.ci_low[0]), float(overall.ci_high[0])
+    # One-sided test of H0: coverage <= nominal - margin, on the logit scale of the GEE fit.
+    se = (np.log(res.ci_high / (1 - res.ci_high)) - np.log(res.ci_low / (1 - res.ci_low))) / (
+        2 * stats.norm.ppf(1 - alpha / 2)) if 0 < res.ci_low < res.ci_high < 1 else np.nan
+    if np.isfinite(se) and se > 0:
+        logit = np.log(res.estimate / (1 - res.estimate))
+        res.pvalue = float(stats.norm.sf((logit - np.log(threshold / (1 - threshold))) / se))
+    if res.ci_low >= threshold:
+        res.verdict = SUPPORTED
+    elif res.ci_high < threshold:
+        res.verdict = NOT_SUPPORTED
+    else:
+        res.verdict = INCONCLUSIVE
+    strata = {
+        "tail size": cluster_coverage(df[column], df["sequence_id"], tail_bins(df["tail_size"]),
+                                      nominal=nominal, alpha=alpha, order=TAIL_LABELS),
+        "Kish n_eff": cluster_coverage(df[column], df["sequence_id"], pd.cut(
+            df["n_eff"], [-np.inf, 4, 16, 64, np.inf], right=False,
+            labels=NEFF_LABELS).astype(str), nominal=nominal, alpha=alpha, order=NEFF_LABELS),
+        "oracle sampled-out mass": cluster_coverage(df[column], df["sequence_id"], pd.cut(
+            df["tail_out_mass"], [-np.inf, 0.01, 0.05, 0.2, np.inf], right=False,
+            labels=MASS_LABELS).astype(str), nominal=nominal, alpha=alpha, order=MASS_LABELS),
+    }
+    res.detail = (f"{column} over {overall.n_events[0]} (query, head, config) rows from "
+                  f"{overall.n_clusters[0]} sequences; threshold {threshold:.3f}")
+    res.extra = {"column": column, "threshold": threshold}
+    return res, strata
+
+
+def evaluate_c2_attention(results: pd.DataFrame, prereg) -> ClaimResult:
+    """Paired TOST of relative attention error: Poisson/Hájek vs top-k at equal budget."""
+    claim, alpha = _claim(prereg, "C2")
+    res = ClaimResult("C2", claim["hypothesis"])
+    df = results
+    rand = df[(df["design"] == "poisson") & (df["correction"] == "hajek")]
+    det = df[df["design"] == "topk"]
+    keys = ["sequence_id", "score", "budget"]
+    a = rand.groupby(keys)["rel_err"].mean()
+    b = det.groupby(keys)["rel_err"].mean()
+    both = pd.concat([a.rename("random"), b.rename("topk")], axis=1).dropna()
+    if len(both) < 2:
+        res.detail = "needs poisson/hajek and top-k rows at the same score and budget"
+        return res
+    test = paired_tost(both["random"].to_numpy(), both["topk"].to_numpy(),
+                       float(claim["margin"]), alpha=alpha)
+    res.estimate, res.ci_low, res.ci_high = test.mean_difference, test.ci_low, test.ci_high
+    res.pvalue = test.pvalue
+    margin = float(claim["margin"])
+    if test.supported:
+        res.verdict = SUPPORTED
+    elif test.ci_low > margin or test.ci_high < -margin:
+        res.verdict = NOT_SUPPORTED
+    else:
+        res.verdict = INCONCLUSIVE
+    res.detail = (f"mean rel. error difference (poisson - top-k) over {len(both)} "
+                  f"(sequence, score, budget) pairs, margin ±{margin}")
+    res.extra = {"pairs": len(both), "mean_random": float(both["random"].mean()),
+                 "mean_topk": float(both["topk"].mean())}
+    return res
+
+
+def evaluate_c5(results: pd.DataFrame, prereg) -> ClaimResult:
+    """Certificate-gated escalation vs the uniform budget at matched mean memory.
+
+    For base budget b and escalated budget b'' > b' > b from the grid, escalate the units
+    (sequence, layer, head, query) with the largest certificates at b until the mean budget is
+    b', and compare their error with the uniform budget b' (paired TOST by sequence).
+    """
+    claim, alpha = _claim(prereg, "C5")
+    res = ClaimResult("C5", claim["hypothesis"])
+    df = _certified(results)
+    df = df[(df["design"] == "poisson") & (df["budget_unit"] == "fraction")
+            & (df["allocator"] == "uniform")]
+    unit = ["sequence_id", "layer", "head", "query_position", "score"]
+    diffs: list[pd.Series] = []
+    for score, sdf in df.groupby("score"):
+        budgets = sorted(sdf["budget"].unique())
+        for lo, mid, hi in zip(budgets, budgets[1:], budgets[2:], strict=False):
+            piv = sdf.pivot_table(index=unit, columns="budget", values=["rel_err", "cert2"])
+            piv = piv.dropna()
+            if piv.empty:
+                continue
+            frac = (mid - lo) / (hi - lo)
+            cert = piv[("cert2", lo)]
+            gated_units = cert.rank(ascending=False, method="first") <= frac * len(cert)
+            gated = np.where(gated_units, piv[("rel_err", hi)], piv[("rel_err", lo)])
+            frame = pd.DataFrame({"gated": gated, "uniform": piv[("rel_err", mid)].to_numpy(),
+                                  "sequence_id": piv.index.get_level_values(0)})
+            diffs.append(frame.groupby("sequence_id")[["gated", "uniform"]].mean().assign(
+                score=score, budget=mid))
+    if not diffs:
+        res.detail = ("needs certified poisson rows at three or more fraction budgets "
+                      "(uniform allocator)")
+        return res
+    both = pd.concat(diffs)
+    if len(both) < 2:
+        res.detail = "too few (sequence, budget) pairs"
+        return res
+    margin = float(claim["margin"])
+    test = paired_tost(both["gated"].to_numpy(), both["uniform"].to_numpy(), margin,
+                       alpha=alpha)
+    res.estimate, res.ci_low, res.ci_high, res.pvalue = (test.mean_difference, test.ci_low,
+                                                         test.ci_high, test.pvalue)
+    if test.supported:
+        res.verdict = SUPPORTED
+    elif test.ci_high < -margin:
+        res.verdict = NOT_SUPPORTED  # gating is better beyond the margin: it adds something
+    else:
+        res.verdict = INCONCLUSIVE
+    res.detail = (f"rel. error, gated - uniform at matched mean budget, {len(both)} "
+                  f"(sequence, budget) pairs, margin ±{margin}")
+    return res
+
+
+def recompute_curves(results: pd.DataFrame, logprobs: dict[str, np.ndarray] | None,
+                     budgets: tuple[float, ...], seed: int = 0) -> pd.DataFrame:
+    """Fraction of squared attention error recovered by recomputing a share of (step, head)
+    units, per sequence and gate (certificate, random, confidence).
+
+    Recomputing a unit restores the full-cache output for that decode step and head, so the
+    recovered error is the err2 of the chosen units over the total. ``confidence`` recomputes
+    whole decode steps in order of the full-cache token log-prob (lowest first).
+    """
+    df = _certified(results)
+    df = df[(df["design"] == "poisson") & (df["query_role"] == "decode")]
+    rows = []
+    rng = np.random.default_rng(seed)
+    for (sid, cfg), g in df.groupby(["sequence_id", "config_id"]):
+        err = g["err2"].to_numpy()
+        total = err.sum()
+        if total <= 0:
+            continue
+        order = {"certificate": np.argsort(-g["cert2"].to_numpy(), kind="stable"),
+                 "random": rng.permutation(len(g))}
+        if logprobs is not None and sid in logprobs:
+            lp = logprobs[sid]
+            step = g["query_position"].to_numpy() - g["prompt_length"].to_numpy() + 1
+            conf = np.where((step >= 0) & (step < lp.size), lp[np.clip(step, 0, lp.size - 1)],
+                            0.0)
+            order["confidence"] = np.argsort(conf, kind="stable")
+        for r in budgets:
+            k = int(round(r * len(g)))
+            for gate, idx in order.items():
+                rows.append({"sequence_id": sid, "config_id": cfg, "budget": r, "gate": gate,
+                             "recovered": float(err[idx[:k]].sum() / total)})
+    return pd.DataFrame(rows)
+
+
+def evaluate_c7(curves: pd.DataFrame, prereg) -> ClaimResult:
+    """Certificate gating vs random and confidence gating at equal recompute budget."""
+    claim, alpha = _claim(prereg, "C7")
+    res = ClaimResult("C7", claim["hypothesis"])
+    if curves.empty:
+        res.detail = "no certified decode rows to schedule recomputation over"
+        return res
+    piv = curves.pivot_table(index=["sequence_id", "config_id", "budget"], columns="gate",
+                             values="recovered")
+    others = [c for c in ("random", "confidence") if c in piv]
+    pvals, diffs = [], {}
+    for other in others:
+        d = (piv["certificate"] - piv[other]).dropna()
+        if len(d) < 2 or d.std(ddof=1) == 0:
+            pvals.append(0.0 if len(d) and d.mean() > 0 else 1.0)
+            diffs[other] = float(d.mean()) if len(d) else np.nan
+            continue
+        t = d.mean() / (d.std(ddof=1) / np.sqrt(len(d)))
+        pvals.append(float(stats.t.sf(t, len(d) - 1)))
+        diffs[other] = float(d.mean())
+    # Intersection-union: certificate must beat every alternative.
+    res.pvalue = max(pvals) if pvals else np.nan
+    worst = min(diffs, key=lambda k: diffs[k]) if diffs else None
+    res.estimate = diffs[worst] if worst else np.nan
+    if res.pvalue < alpha:
+        res.verdict = SUPPORTED
+    elif any(v < 0 for v in diffs.values()) and len(piv) > 1:
+        res.verdict = NOT_SUPPORTED if min(diffs.values()) < -0.05 else INCONCLUSIVE
+    else:
+        res.verdict = INCONCLUSIVE
+    if not others:
+        res.verdict = NOT_EVALUATED
+    res.detail = ("recovered-error fraction, certificate minus " + ", ".join(
+        f"{k} ({v:+.3f})" for k, v in diffs.items()) + f"; {len(piv)} (sequence, config, "
+        f"budget) pairs; gates compared: {['certificate'] + others}")
+    res.extra = {"differences": diffs}
+    return res

@@ -1,0 +1,46 @@
+"""``tracesim report``: the claims table, report.md and a standalone report.html."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["register"]
+
+_DEFAULT_PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
+
+
+def _command(args: argparse.Namespace) -> int:
+    from analysis.prereg import PreregChangedError
+    from analysis.report import build_report, write_report
+
+    try:
+        report = build_report(args.results, args.outcomes, prereg_path=args.prereg,
+                              adversary_dir=args.adversary, traces_dir=args.traces,
+                              allow_prereg_change=args.allow_prereg_change)
+    except (PreregChangedError, ValueError) as exc:
+        print(f"tracesim report: {exc}", file=sys.stderr)
+        return 2
+    path = write_report(report, args.out)
+    for note in report.notes:
+        print(note)
+    print(report.terminal_table())
+    print(f"\nreport written to {path}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``tracesim report``."""
+    p = subparsers.add_parser("report", help="evaluate the pre-registered claims; write the "
+                                             "report (Markdown + standalone HTML)")
+    p.add_argument("results", help="replay/sweep output directory")
+    p.add_argument("outcomes", nargs="?", default=None, help="evict output directory")
+    p.add_argument("--out", required=True, help="report directory")
+    p.add_argument("--prereg", default=str(_DEFAULT_PREREG), help="pre-registration file")
+    p.add_argument("--adversary", default=None, help="directory with adversary.json (C0)")
+    p.add_argument("--traces", default=None,
+                   help="trace store (token log-probs for confidence gating, C7)")
+    p.add_argument("--allow-prereg-change", action="store_true",
+                   help="report even if the pre-registration changed after the results")
+    p.set_defaults(func=_command)

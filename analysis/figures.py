@@ -1,0 +1,110 @@
+"""Report figures (matplotlib, Agg backend), each returned as PNG bytes."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["coverage_figure", "error_budget_figure", "head_budget_figure",
+           "recompute_figure", "roc_figure"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def coverage_figure(strata: dict, nominal: float) -> bytes:
+    """Empirical coverage with cluster-robust intervals per stratum, against nominal."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, max(1, len(strata)), figsize=(4.2 * max(1, len(strata)), 3.4),
+                             squeeze=False)
+    for ax, (title, res) in zip(axes[0], strata.items(), strict=False):
+        x = np.arange(len(res.strata))
+        ax.errorbar(x, res.coverage, yerr=[res.coverage - res.ci_low, res.ci_high - res.coverage],
+                    fmt="o", capsize=3)
+        ax.axhline(nominal, color="k", ls="--", lw=1, label=f"nominal {nominal:g}")
+        ax.set_xticks(x, res.strata, rotation=30, ha="right", fontsize=8)
+        ax.set_ylim(max(0.0, min(0.5, float(np.nanmin(res.ci_low)) - 0.05)), 1.01)
+        ax.set_title(f"coverage by {title}", fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
+    return _png(fig)
+
+
+def error_budget_figure(results: pd.DataFrame) -> bytes:
+    """Mean relative attention error vs budget, one line per (score, design)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    df = results[results["budget_unit"] == "fraction"]
+    for (score, design), g in df.groupby(["score", "design"]):
+        m = g.groupby("budget")["rel_err"].mean()
+        ax.plot(m.index, m.values, marker="o", label=f"{score} / {design}")
+    ax.set_xlabel("budget (fraction of context)")
+    ax.set_ylabel("mean relative error |ô - o| / |o|")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("attention error vs budget")
+    return _png(fig)
+
+
+def roc_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
+    """ROC curves of the failure / attribution signals."""
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(4.6, 4.2))
+    for name, (score, label) in curves.items():
+        if label.all() or not label.any():
+            continue
+        fpr, tpr, _ = roc_curve(label, score)
+        ax.plot(fpr, tpr, label=f"{name} (AUC {roc_auc_score(label, score):.2f})")
+    ax.plot([0, 1], [0, 1], "k--", lw=1)
+    ax.set_xlabel("false positive rate")
+    ax.set_ylabel("true positive rate")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("ROC")
+    return _png(fig)
+
+
+def head_budget_figure(results: pd.DataFrame) -> bytes:
+    """Mean kept tokens per (layer, KV head) for each allocator of the certified policies."""
+    plt = _plt()
+    df = results[results["score"] != "full"]
+    allocs = sorted(df["allocator"].dropna().unique()) or ["uniform"]
+    fig, axes = plt.subplots(1, len(allocs), figsize=(4.2 * len(allocs), 3.6), squeeze=False)
+    for ax, alloc in zip(axes[0], allocs, strict=False):
+        piv = df[df["allocator"] == alloc].pivot_table(index="layer", columns="kv_head",
+                                                       values="kept_tokens", aggfunc="mean")
+        im = ax.imshow(piv.values, aspect="auto", cmap="viridis")
+        ax.set_xlabel("KV head")
+        ax.set_ylabel("layer")
+        ax.set_title(f"kept tokens ({alloc})", fontsize=10)
+        fig.colorbar(im, ax=ax)
+    return _png(fig)
+
+
+def recompute_figure(curves: pd.DataFrame) -> bytes:
+    """Recovered share of squared error vs recompute budget, per gate."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.8))
+    for gate, g in curves.groupby("gate"):
+        m = g.groupby("budget")["recovered"].mean()
+        ax.plot(m.index, m.values, marker="o", label=gate)
+    ax.set_xlabel("recompute budget (share of decode-step x head units)")
+    ax.set_ylabel("share of squared error recovered")
+    ax.legend(fontsize=8)
+    ax.set_title("recomputation scheduling")
+    return _png(fig)
