@@ -104,7 +104,8 @@ def impossibility_demo(trace: LayerTrace, *, score: str = "snapkv", budget: floa
     for t in grid:
         values = trace.values.copy()
         values[g, evicted] += float(t) * delta
-        pert = replace(trace, values=values, _attention_cache={})
+        # The stored outputs belong to the unperturbed trace: drop them (no output check).
+        pert = replace(trace, values=values, outputs=None, _attention_cache={})
         res = replay_layer(pert, [topk, pois], np.arange(seeds), n_layers, opts)
         tk = res.out[res.tables.it_cfg == 0][0, head]
         po = res.out[res.tables.it_cfg == 1][:, head]
