@@ -21,7 +21,7 @@ import yaml
 from tests.sweep_fixtures import SPEC_TEXT, build_sweep_store
 from tracesim.replay import replay
 from tracesim.store import open_store
-from tracesim.sweep import load_spec, plan_tasks, run_sweep
+from tracesim.sweep import load_spec, plan_tasks, run_sweep, worker
 from tracesim.sweep.compact import sha256_file
 from tracesim.sweep.worker import execute_task, write_configs
 
@@ -185,3 +185,12 @@ def test_execute_task_per_seed_in_process(env, tmp_path):
     assert np.isfinite(df["err2"]).all()
     with pytest.raises(RuntimeError, match="belongs to spec"):
         execute_task(task, str(spec.output), "0" * 64, 1)
+    # A worker whose tracesim source differs from the driver's refuses to run.
+    cfg = spec.output / "configs.json"
+    doc = json.loads(cfg.read_text())
+    doc["code"] = "f" * 64
+    cfg.write_text(json.dumps(doc))
+    worker._CONFIGS.clear()
+    with pytest.raises(RuntimeError, match="different tracesim source code"):
+        execute_task(task, str(spec.output), plan.spec_hash, 1)
+    worker._CONFIGS.clear()

@@ -76,9 +76,11 @@ def describe(spec: SweepSpec, *, workers: int | None = None, threads: int | None
         ts = [t for t in plan.tasks if t.store == ref.name]
         seqs = len({t.sequence_id for t in ts})
         lines.append(f"store {ref.name!r}: {ref.path} ({seqs} sequence(s) selected)")
-    by = {k: Counter(str(p.row()[k]) for p in pol)
+    evicting = [p.row() for p in pol if p.score.evicts]
+    by = {k: Counter(f"{r[k]:g}" if k == "budget" else str(r[k]) for r in evicting)
           for k in ("score", "design", "correction", "budget", "allocator", "schedule")}
-    lines.append(f"grid: {len(pol)} configuration(s); " + "; ".join(
+    full = " (+ full cache)" if len(evicting) < len(pol) else ""
+    lines.append(f"grid: {len(pol)} configuration(s){full}; " + "; ".join(
         f"{k}: " + ", ".join(f"{v}" for v in c) for k, c in by.items()))
     for s in spec.skipped:
         lines.append(f"  skipped: {s}")

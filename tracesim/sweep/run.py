@@ -40,6 +40,9 @@ class SweepSummary:
     tasks : dict
         ``total``, ``done`` (run now), ``skipped`` (finished before), ``failed``,
         ``retries``.
+    task_time_s : dict
+        Sums over the tasks run now of their ``wall`` and process ``cpu`` seconds on the
+        workers (``cpu`` well below ``wall`` means the workers did not get their cores).
     """
 
     name: str
@@ -60,6 +63,7 @@ class SweepSummary:
     threads_per_worker: int
     stores: list[dict[str, str]]
     prereg: dict[str, str] | None
+    task_time_s: dict[str, float] = field(default_factory=dict)
     failures: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     created: str = ""
@@ -185,6 +189,7 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
         counts = {"total": len(plan.tasks), "done": 0, "skipped": skipped, "failed": 0,
                   "retries": 0}
         failures: list[dict[str, str]] = []
+        busy = {"wall": 0.0, "cpu": 0.0}
         notes: list[str] = [f"skipped grid combinations: {s}" for s in spec.skipped]
         bar = _progress(len(plan.tasks), skipped, progress)
 
@@ -195,6 +200,8 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
 
         def done(task, info) -> None:
             counts["done"] += 1
+            busy["wall"] += float(info.get("seconds", 0.0))
+            busy["cpu"] += float(info.get("cpu_s", 0.0))
             post()
             bar.update(1)
 
@@ -249,6 +256,7 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
             stores=[{"name": s.name, "path": str(s.path)} for s in spec.stores],
             prereg=None if prereg is None else {"path": str(prereg),
                                                 "sha256": sha256_file(prereg)},
+            task_time_s={k: round(v, 3) for k, v in busy.items()},
             failures=failures, notes=notes,
             created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         write_json(out_dir / SUMMARY_FILE, summary.to_dict())

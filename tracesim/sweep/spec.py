@@ -21,7 +21,7 @@ from tracesim.replay.engine import ReplayOptions
 from tracesim.sweep.grid import SpecError, expand_grid
 
 __all__ = ["SPEC_KEYS", "SWEEP_FORMAT", "SequenceFilter", "SpecError", "StoreRef", "SweepSpec",
-           "load_spec", "parse_spec", "selected_sequences"]
+           "code_fingerprint", "load_spec", "parse_spec", "selected_sequences"]
 
 #: Version of the task-file layout and spec hash; bump when either changes meaning.
 SWEEP_FORMAT = 1
@@ -46,6 +46,30 @@ _OPTION_KEYS = {"alpha": "float", "output_space": "bool", "satterthwaite": "bool
                 "roles": "list"}
 _ROLES = ("context_window", "question_window", "decode", "all")
 _PARTITION_KEYS = ("layers_per_task", "max_task_memory_mb")
+
+
+_FINGERPRINT: list[str] = []
+
+
+def code_fingerprint() -> str:
+    """sha256 of tracesim's source that can affect result rows.
+
+    Every ``.py`` file of the installed ``tracesim`` package except the ``sweep`` package and
+    the ``cli.py`` modules. Part of the result hash, so a sweep never mixes rows computed by
+    two versions of the engine, and checked by every worker against the driver's.
+    """
+    if not _FINGERPRINT:
+        import tracesim
+
+        root = Path(tracesim.__file__).resolve().parent
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith("sweep/") or path.name == "cli.py":
+                continue
+            h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+        _FINGERPRINT.append(h.hexdigest())
+    return _FINGERPRINT[0]
 
 
 @dataclass(frozen=True)
@@ -102,10 +126,12 @@ class SweepSpec:
         return self.record == "per_seed"
 
     def result_hash(self) -> str:
-        """sha256 of everything that affects result rows (not paths, partition or output)."""
+        """sha256 of everything that affects result rows (not paths, partition or output):
+        tracesim's version and source (:func:`code_fingerprint`), configurations, seeds,
+        record mode and replay options."""
         from tracesim import __version__
 
-        doc = {"format": SWEEP_FORMAT, "version": __version__,
+        doc = {"format": SWEEP_FORMAT, "version": __version__, "code": code_fingerprint(),
                "configs": [p.to_json() for p in self.policies], "seeds": list(self.seeds),
                "record": self.record, "options": asdict(self.options)}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

@@ -90,8 +90,11 @@ def warm_up() -> float:
 
 
 def init_worker(threads: int, warm: bool = True) -> None:
-    """Process-pool initializer: thread limits, then the JIT warm-up."""
+    """Process-pool initializer: thread limits, code fingerprint, then the JIT warm-up."""
+    from tracesim.sweep.spec import code_fingerprint
+
     configure_threads(threads)
+    code_fingerprint()  # of the source as loaded now, before any task runs
     if warm:
         warm_up()
 
@@ -107,7 +110,10 @@ def write_configs(out_dir: Path, spec_hash: str, spec: Any) -> Path:
             raise ValueError(f"policy {p.id!r} does not survive its JSON round trip")
         configs.append({"id": p.id, **doc})
     opts = spec.options
-    doc = {"spec_hash": spec_hash, "seeds": list(spec.seeds), "record": spec.record,
+    from tracesim.sweep.spec import code_fingerprint
+
+    doc = {"spec_hash": spec_hash, "code": code_fingerprint(), "seeds": list(spec.seeds),
+           "record": spec.record,
            "options": {"alpha": opts.alpha, "output_space": opts.output_space,
                        "satterthwaite": opts.satterthwaite,
                        "roles": None if opts.roles is None else list(opts.roles)},
@@ -141,11 +147,16 @@ def _configs(out_dir: str, spec_hash: str):
     if key not in _CONFIGS:
         from tracesim.policies import Policy
         from tracesim.replay import ReplayOptions
+        from tracesim.sweep.spec import code_fingerprint
 
         doc = json.loads((Path(out_dir) / "configs.json").read_text())
         if doc["spec_hash"] != spec_hash:
             raise RuntimeError(f"{out_dir}/configs.json belongs to spec {doc['spec_hash'][:12]}"
                                f", not {spec_hash[:12]}: another sweep uses this directory")
+        if doc["code"] != code_fingerprint():
+            raise RuntimeError("this worker runs different tracesim source code than the "
+                               "driver (code fingerprint mismatch); install the same version "
+                               "on every worker")
         policies = [Policy.from_dict({k: v for k, v in c.items() if k != "id"})
                     for c in doc["configs"]]
         o = doc["options"]
@@ -181,7 +192,7 @@ def execute_task(task: Any, out_dir: str, spec_hash: str, threads: int) -> dict[
     Returns
     -------
     dict
-        ``key``, ``rows``, ``seconds``, ``pid``.
+        ``key``, ``rows``, ``seconds`` (wall), ``cpu_s`` (process CPU), ``pid``.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -189,7 +200,7 @@ def execute_task(task: Any, out_dir: str, spec_hash: str, threads: int) -> dict[
     from tracesim.replay import iter_replay
     from tracesim.sweep.tasks import META_KEY, sweep_schema
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     configure_threads(threads)
     warm_up()
     policies, seeds, per_seed, options = _configs(out_dir, spec_hash)
@@ -223,4 +234,4 @@ def execute_task(task: Any, out_dir: str, spec_hash: str, threads: int) -> dict[
         tmp.unlink(missing_ok=True)
         raise
     return {"key": task.key, "rows": n, "seconds": time.perf_counter() - t0,
-            "pid": os.getpid()}
+            "cpu_s": time.process_time() - c0, "pid": os.getpid()}
