@@ -151,3 +151,14 @@ def test_question_window_fallback_without_decode_queries():
                        np.arange(2), n_layers=1)
     assert all(r == "question_window" for r in res.query_roles)
     assert np.isfinite(res.out[..., K.F_ERR2]).all()
+
+
+def test_output_check_flags_inconsistent_stored_outputs():
+    from tracesim.replay.engine import OUTPUT_CHECK_TOLERANCE
+
+    trace = synthetic_trace(1)
+    ok = replay_layer(trace, [make_policy("full")], np.arange(1), n_layers=1)
+    assert ok.output_check_relative < 1e-10
+    trace.outputs[0, -1] += 1.0
+    bad = replay_layer(trace, [make_policy("full")], np.arange(1), n_layers=1)
+    assert bad.output_check_relative > OUTPUT_CHECK_TOLERANCE

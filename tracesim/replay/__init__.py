@@ -12,13 +12,20 @@ and the full-cache outputs once, builds every policy's inclusion probabilities, 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from tracesim.policies import LayerTrace, Policy
-from tracesim.replay.engine import LayerResult, ReplayOptions, evaluated_queries, replay_layer
+from tracesim.replay.engine import (
+    OUTPUT_CHECK_TOLERANCE,
+    LayerResult,
+    ReplayOptions,
+    evaluated_queries,
+    replay_layer,
+)
 from tracesim.replay.results import METRICS, RESULT_COLUMNS, layer_batch
 
 __all__ = [
@@ -104,12 +111,15 @@ def iter_replay(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(seq_ids) * len(layer_list), unit="layer", desc="replay")
+    bad: list[tuple[str, int, float]] = []
     try:
         for sid in seq_ids:
             seq = store[sid]
             for layer in layer_list:
                 trace = load_layer(store, seq, layer)
                 result = replay_layer(trace, policies, seed_arr, n_layers, options)
+                if result.output_check_relative > OUTPUT_CHECK_TOLERANCE:
+                    bad.append((sid, layer, result.output_check_relative))
                 yield layer_batch(result, per_seed=per_seed)
                 if bar is not None:
                     bar.update(1)
@@ -117,6 +127,13 @@ def iter_replay(
     finally:
         if bar is not None:
             bar.close()
+    if bad:
+        # fp16 stores agree to ~5e-3 of |o| (rounded Q/K/V); far more means a broken trace.
+        sid, layer, worst = max(bad, key=lambda b: b[2])
+        warnings.warn(f"{len(bad)} (sequence, layer) pairs have stored outputs that differ from "
+                      f"the float64 recomputation by more than {OUTPUT_CHECK_TOLERANCE} x |o| "
+                      f"(worst {worst:.3g} in {sid!r} layer {layer}); errors are measured "
+                      f"against the recomputation (column output_check)", stacklevel=2)
 
 
 def replay(
