@@ -49,6 +49,14 @@ def test_replay_api_rows_columns_and_per_seed(store_path):
     np.testing.assert_allclose(a["err2"].to_numpy(), b["err2"].to_numpy(), rtol=1e-12)
     with pytest.raises(ValueError):
         replay(store, pols, seeds=2, layers=[5], progress=False)
+    # Any order of sequences and layers gives the same rows, bit for bit.
+    again = replay(store, pols, seeds=4, layers=[1, 0], sequences=["seq1", "seq0"],
+                   progress=False).to_pandas()
+    keys = ["sequence_id", "layer", "config_id", "head", "query_position"]
+    a = df.sort_values(keys).reset_index(drop=True)
+    b = again.sort_values(keys).reset_index(drop=True)
+    for col in ("err2", "cert2", "wald_cov", "layer_cert2", "tail_out_max"):
+        np.testing.assert_array_equal(a[col].to_numpy(), b[col].to_numpy())
 
 
 def test_replay_cli_writes_parquet_and_summary(store_path, tmp_path, capsys):
