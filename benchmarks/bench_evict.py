@@ -98,7 +98,10 @@ def one_call(args: argparse.Namespace) -> list[tuple[str, float]]:
     top.scatter_(1, torch.topk(scores, n, dim=1).indices, True)
     bias_topk = torch.where(top, 0.0, float("-inf")).float().to(dev)
     bias_hajek = torch.where(kept, -torch.log(pi), float("-inf")).float().to(dev)
-    tail = torch.where(kept & (pi < 1), 1 - pi, 0.0).float().to(dev)
+    from capture.enforce import LayerPlan
+
+    plan = LayerPlan(pi, kept, hajek=True, certified=True)
+    tail_index, tail = plan.tail_index.to(dev), plan.tail_weight.to(dev)
     G = H // Hk
     scale = d ** -0.5
 
@@ -116,10 +119,10 @@ def one_call(args: argparse.Namespace) -> list[tuple[str, float]]:
         return run
 
     sdpa(bias_topk)
-    serving_certificates(q, k, v, bias_hajek, tail, scale)
+    serving_certificates(q, k, v, bias_hajek, tail_index, tail, scale)
     t_topk = _best(sync(lambda: sdpa(bias_topk)), args.repeats * 3)
     t_hajek = _best(sync(lambda: sdpa(bias_hajek)), args.repeats * 3)
-    t_cert = _best(sync(lambda: serving_certificates(q, k, v, bias_hajek, tail, scale)),
+    t_cert = _best(sync(lambda: serving_certificates(q, k, v, bias_hajek, tail_index, tail, scale)),
                    args.repeats * 3)
     return [(f"SDPA top-k mask ({H}x{T})", t_topk), ("SDPA hajek bias", t_hajek),
             ("attention + certificate pass (torch)", t_cert)]

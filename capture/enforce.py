@@ -52,6 +52,7 @@ class LayerPlan:
     certified: bool
     fixed_size: bool = False
     bias: torch.Tensor = field(init=False)
+    tail_index: torch.Tensor = field(init=False)
     tail_weight: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -59,7 +60,15 @@ class LayerPlan:
         bias = torch.where(self.kept, offset, torch.full_like(self.pi, float("-inf")))
         self.bias = bias.to(torch.float32)
         tail = self.kept & (self.pi < 1)
-        self.tail_weight = torch.where(tail, 1.0 - self.pi, torch.zeros_like(self.pi))
+        # Kept tail positions per KV head, padded to the longest with weight 0.
+        counts = tail.sum(dim=1)
+        m = max(1, int(counts.max()))
+        self.tail_index = torch.zeros(tail.shape[0], m, dtype=torch.long)
+        self.tail_weight = torch.zeros(tail.shape[0], m, dtype=torch.float32)
+        for g in range(tail.shape[0]):
+            idx = torch.nonzero(tail[g]).flatten()
+            self.tail_index[g, :idx.numel()] = idx
+            self.tail_weight[g, :idx.numel()] = (1.0 - self.pi[g, idx]).float()
 
     @property
     def evicts(self) -> bool:
@@ -71,6 +80,7 @@ def serving_certificates(
     key: torch.Tensor,
     value: torch.Tensor,
     bias: torch.Tensor,
+    tail_index: torch.Tensor,
     tail_weight: torch.Tensor,
     scaling: float,
     gram: torch.Tensor | None = None,
@@ -84,8 +94,11 @@ def serving_certificates(
     key, value : (H_kv, T, d)
     bias : (H_kv, T) float
         Additive logit bias (``-inf`` evicted, ``-log pi`` kept tail, 0 otherwise).
-    tail_weight : (H_kv, T)
-        ``1 - pi`` for kept tail tokens, 0 elsewhere.
+    tail_index : (H_kv, m) long
+        Positions of the kept tail tokens of each KV head, padded (padding has weight 0).
+    tail_weight : (H_kv, m)
+        ``1 - pi`` of those tokens, 0 for padding. Only the sampled tail enters the variance,
+        so the certificate pass costs ``O(m)`` per head rather than ``O(T)``.
     scaling : float
     gram : (H_kv, G*d, G*d), optional
         ``W_g^T W_g`` per group for the output-space certificate.
@@ -110,22 +123,23 @@ def serving_certificates(
     logits = torch.einsum("kgd,ktd->kgt", q, key) * scaling + bias[:, None, :].to(key.dtype)
     a = torch.softmax(logits, dim=-1)  # (H_kv, G, T)
     out = torch.einsum("kgt,ktd->kgd", a, value)
-    resid = value[:, None, :, :] - out[:, :, None, :]  # (H_kv, G, T, d)
-    w = tail_weight.to(a.dtype)[:, None, :]
+    m = tail_index.shape[1]
+    a_t = torch.gather(a, 2, tail_index[:, None, :].expand(n_kv, G, m))  # (H_kv, G, m)
+    v_t = torch.gather(value, 1, tail_index[:, :, None].expand(n_kv, m, d))  # (H_kv, m, d)
+    z = a_t[..., None] * (v_t[:, None] - out[:, :, None, :])  # (H_kv, G, m, d)
+    w = tail_weight.to(z.dtype)[:, None, :, None]
     if fixed_size:
-        z = a[..., None] * resid  # (H_kv, G, T, d)
-        c = w[..., None]
-        centre = (c * z).sum(2, keepdim=True) / c.sum(2, keepdim=True).clamp_min(1e-300)
-        m = (tail_weight > 0).sum(-1).to(a.dtype)  # (H_kv,)
-        inflate = torch.where(m > 1, m / (m - 1).clamp_min(1), torch.zeros_like(m))
-        cert = (inflate[:, None] * (c * (z - centre) ** 2).sum((2, 3))).reshape(H)
+        centre = (w * z).sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp_min(1e-30)
+        m_real = (tail_weight > 0).sum(-1).to(z.dtype)
+        inflate = torch.where(m_real > 1, m_real / (m_real - 1).clamp_min(1),
+                              torch.zeros_like(m_real))
+        cert = (inflate[:, None] * (w * (z - centre) ** 2).sum((2, 3))).reshape(H)
     else:
-        cert = (w * a * a * (resid * resid).sum(-1)).sum(-1).reshape(H)
+        cert = (w * z * z).sum((2, 3)).reshape(H)
     layer_cert = None
     if gram is not None:
-        u = a[..., None] * resid  # (H_kv, G, T, d)
-        u = u.permute(0, 2, 1, 3).reshape(n_kv, T, G * d)
-        quad = (torch.einsum("ktj,kjl->ktl", u, gram.to(u.dtype)) * u).sum(-1)  # (H_kv, T)
+        u = z.permute(0, 2, 1, 3).reshape(n_kv, m, G * d)
+        quad = (torch.bmm(u, gram.to(u.dtype)) * u).sum(-1)  # (H_kv, m)
         layer_cert = (tail_weight.to(quad.dtype) * quad).sum()
     return out.reshape(H, d), cert, layer_cert
 
@@ -183,13 +197,12 @@ class EvictionState(CaptureState):
         if plan is None or not plan.certified or q_len != 1 or kv_len <= self.prompt_length:
             return
         P = plan.bias.shape[1]
-        bias = torch.zeros(key.shape[1], kv_len, dtype=torch.float64)
-        bias[:, :P] = plan.bias.to(torch.float64)
-        tail = torch.zeros(key.shape[1], kv_len, dtype=torch.float64)
-        tail[:, :P] = plan.tail_weight
+        dev = key.device
+        bias = torch.nn.functional.pad(plan.bias.to(dev), (0, kv_len - P))
         with torch.no_grad():
             _, cert, layer_cert = serving_certificates(
-                query[0, :, 0].float(), key[0].float(), value[0].float(), bias.float(),
-                tail.float(), float(scaling), self.grams.get(layer), plan.fixed_size)
+                query[0, :, 0].float(), key[0].float(), value[0].float(), bias,
+                plan.tail_index.to(dev), plan.tail_weight.to(dev), float(scaling),
+                self.grams.get(layer), plan.fixed_size)
         self._step_certs[layer] = (cert.double().cpu().numpy(),
                                    float("nan") if layer_cert is None else float(layer_cert))

