@@ -141,10 +141,11 @@ def run_evict(
         "policies": [p.id for p in policies], "seeds": seed_list,
         "wall_seconds": time.time() - start,
     }
-    prereg = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
-    if prereg.is_file():
-        summary["prereg"] = {"path": str(prereg), "sha256": "sha256:" + hashlib.sha256(
-            prereg.read_bytes()).hexdigest()}
+    from tracesim.sweep.compact import find_prereg, sha256_file
+
+    prereg = find_prereg(None, str(store_path))
+    if prereg is not None:
+        summary["prereg"] = {"path": str(prereg), "sha256": sha256_file(prereg)}
     if table.num_rows:
         df = table.select(["config_id", "correct", "full_correct"]).to_pandas()
         summary["accuracy"] = {k: float(np.mean(v)) for k, v in

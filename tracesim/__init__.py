@@ -46,6 +46,7 @@ __all__ = [
     "inclusion_probabilities",
     "make_design",
     "open_store",
+    "replay",
     "output_space_certificate",
     "permanent_uniforms",
     "satterthwaite_covered",
@@ -53,3 +54,12 @@ __all__ = [
     "wald_covered",
 ]
 
+
+
+def __getattr__(name: str):
+    # The replay engine is loaded on first use so `import tracesim` stays light.
+    if name == "replay":
+        from tracesim.replay import replay
+
+        return replay
+    raise AttributeError(f"module 'tracesim' has no attribute {name!r}")

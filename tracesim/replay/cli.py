@@ -139,6 +139,14 @@ def run_replay(args: argparse.Namespace) -> int:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - t0
+    from tracesim.sweep.compact import find_prereg, sha256_file
+
+    prereg = find_prereg(None, args.traces)
+    (out / "summary.json").write_text(json.dumps({
+        "store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
+        "wall_time_s": elapsed,
+        "prereg": None if prereg is None else {"path": str(prereg),
+                                               "sha256": sha256_file(prereg)}}, indent=1))
     table = pq.read_table(path, columns=[
         "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",
         "wald_cov", "wald_t_cov", "kept_tokens", "nominal_tokens", "evicted_mass", "n_seeds"])
