@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from analysis import figures
-from analysis.claims import ClaimResult, claims_table
+from analysis.claims import INCONCLUSIVE, SUPPORTED, ClaimResult, claims_table
 from analysis.claims_outcomes import evaluate_c2_accuracy, evaluate_c3, evaluate_c4, evaluate_c6
 from analysis.claims_replay import (
     evaluate_c0,
@@ -161,6 +161,11 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     for c in report.claims:
         if c.claim in adjusted:
             c.adjusted_pvalue = adjusted[c.claim][0]
+            # A test-based "supported" must survive the correction across claims.
+            if c.verdict == SUPPORTED and c.adjusted_pvalue >= prereg.claim_alpha(c.claim):
+                c.verdict = INCONCLUSIVE
+                c.detail += (f"; significant alone (p = {c.pvalue:.3g}) but not after Holm "
+                             f"(p = {c.adjusted_pvalue:.3g})")
     return report
 
 
