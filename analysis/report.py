@@ -119,7 +119,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
             report.figures["coverage"] = figures.coverage_figure(
                 strata, float(prereg.claims["C1"]["nominal"]))
             report.tables["coverage strata"] = "\n\n".join(
-                f"**{k}**\n\n```\n{v.summary()}\n```" for k, v in strata.items())
+                f"by {k}\n{v.summary()}" for k, v in strata.items())
         claims["C2"] = evaluate_c2_attention(res_df, prereg)
         claims["C5"] = evaluate_c5(res_df, prereg)
         logprobs = _logprobs(traces_dir) if traces_dir else None
@@ -147,11 +147,12 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         claims["C4"], claims["C6"] = c4, c6
         if roc4 or roc6:
             report.figures["roc"] = figures.roc_figure({**roc4, **roc6})
-        acc = out_df.groupby("config_id").agg(accuracy=("correct", "mean"),
-                                              full=("full_correct", "mean"), runs=("correct",
-                                                                                  "size"))
-        report.tables["end-to-end accuracy"] = acc.to_markdown() if _has_tabulate() else \
-            acc.to_string()
+        cols = dict(accuracy=("correct", "mean"), full_cache=("full_correct", "mean"),
+                    runs=("correct", "size"))
+        if "kept_fraction" in out_df:
+            cols["kept_fraction"] = ("kept_fraction", "mean")
+        acc = out_df.groupby(["score", "design", "correction", "budget"], dropna=False).agg(**cols)
+        report.tables["end-to-end accuracy"] = acc.round(3).to_string()
     else:
         for cid in ("C3", "C4", "C6"):
             claims[cid] = ClaimResult(cid, prereg.claims[cid]["hypothesis"],
@@ -167,14 +168,6 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                 c.detail += (f"; significant alone (p = {c.pvalue:.3g}) but not after Holm "
                              f"(p = {c.adjusted_pvalue:.3g})")
     return report
-
-
-def _has_tabulate() -> bool:
-    try:
-        import tabulate  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _logprobs(traces_dir: str | Path) -> dict[str, np.ndarray]:
@@ -203,7 +196,7 @@ def write_report(report: Report, out: str | Path) -> Path:
     for c in report.claims:
         md += [f"### {c.claim}: {c.verdict}", "", f"*{c.hypothesis}*", "", c.detail, ""]
     for title, text in report.tables.items():
-        md += [f"## {title}", "", text, ""]
+        md += [f"## {title}", "", "```", text, "```", ""]
     for name in report.figures:
         md += [f"![{name}]({name}.png)", ""]
     (out / "report.md").write_text("\n".join(md))
