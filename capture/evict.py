@@ -24,7 +24,7 @@ import torch
 
 from capture.attention import CaptureState, attention_modules, recording
 from capture.enforce import EvictionState, LayerPlan
-from capture.generate import _cache_kwarg, _forward
+from capture.generate import _cache_kwarg, _forward, decode_greedy
 from capture.prn_torch import permanent_uniforms_torch
 from capture.runner import query_roles
 from capture.tasks import grade
@@ -145,22 +145,10 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
     """Greedy decode under ``plans`` from the prefill cache, then crop the cache back."""
     P = prefill.prompt_length
     state = EvictionState(P, plans, prefill.grams)
-    cache_kw = _cache_kwarg(model)
-    device = next(model.parameters()).device
-    logits = prefill.logits
-    generated, logprobs = [], []
     try:
         with recording(model, state):
-            while True:
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                token = int(torch.argmax(logp))
-                generated.append(token)
-                logprobs.append(float(logp[token]))
-                if token in eos_ids or len(generated) >= max_new_tokens:
-                    break
-                ids = torch.tensor([token], dtype=torch.long, device=device)
-                logits = _forward(model, ids, P + len(generated) - 1, prefill.cache, cache_kw,
-                                  state)
+            generated, logprobs = decode_greedy(model, prefill.cache, prefill.logits, P,
+                                                max_new_tokens, eos_ids, state=state)
         state.end()
     finally:
         _restore(prefill.cache, P)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,11 +29,10 @@ def _safe_name(sequence_id: str) -> str:
 def _write_atomic(table: Any, path: Path) -> None:
     import pyarrow.parquet as pq
 
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    from tracesim.atomic import atomic_output
+
+    with atomic_output(path) as fh:
+        pq.write_table(table, fh)
 
 
 def run_evict(

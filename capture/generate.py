@@ -108,7 +108,42 @@ def greedy_generate(
     for start in range(0, prompt.numel(), prefill_chunk):
         chunk = prompt[start : start + prefill_chunk]
         logits = _forward(model, chunk, start, cache, cache_kw, state)
-    fed = [int(t) for t in prompt_ids]
+    generated, logprobs = decode_greedy(model, cache, logits, prompt.numel(), max_new_tokens,
+                                        eos, state=state)
+    fed = [int(t) for t in prompt_ids] + generated[:-1]
+    return Generation(fed, generated, logprobs, bool(generated[-1] in eos))
+
+
+def decode_greedy(
+    model: torch.nn.Module,
+    cache,
+    logits: torch.Tensor,
+    start: int,
+    max_new_tokens: int,
+    eos_ids: Iterable[int] = (),
+    *,
+    state: CaptureState | None = None,
+) -> tuple[list[int], list[float]]:
+    """Greedy decoding from a filled cache.
+
+    Parameters
+    ----------
+    cache : transformers cache holding positions ``0..start-1``
+    logits : torch.Tensor, shape (vocab,)
+        Next-token logits at position ``start - 1`` (from the prefill or a previous step).
+    start : int
+        Position of the first generated token.
+    max_new_tokens : int
+    eos_ids : iterable of int
+    state : CaptureState, optional
+
+    Returns
+    -------
+    (generated_ids, logprobs) : lists, the EOS token included when generation stopped on it.
+    """
+    eos = {int(t) for t in eos_ids}
+    device = logits.device
+    cache_kw = _cache_kwarg(model)
     generated: list[int] = []
     logprobs: list[float] = []
     while True:
@@ -117,8 +152,6 @@ def greedy_generate(
         generated.append(token)
         logprobs.append(float(logp[token]))
         if token in eos or len(generated) >= max_new_tokens:
-            break
+            return generated, logprobs
         ids = torch.tensor([token], dtype=torch.long, device=device)
-        logits = _forward(model, ids, len(fed), cache, cache_kw, state)
-        fed.append(token)
-    return Generation(fed, generated, logprobs, bool(generated[-1] in eos))
+        logits = _forward(model, ids, start + len(generated) - 1, cache, cache_kw, state)

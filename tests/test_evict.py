@@ -30,6 +30,19 @@ def tiny_store(tmp_path_factory) -> tuple[Path, LoadedModel]:
 
 
 
+def _prefilled(tiny_store, index: int = 0):
+    """(store, loaded model, sequence, meta, prompt length, prefill) of one stored sequence."""
+    path, loaded = tiny_store
+    store = open_store(path)
+    seq = store[store.sequence_ids[index]]
+    meta = seq.meta
+    P = int(meta["prompt_length"])
+    pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
+                           question_start=int(meta["question_start"]), window=8,
+                           scaling=store.model.scaling)
+    return store, loaded, seq, meta, P, pre
+
+
 @pytest.mark.parametrize(("score", "design"), [("snapkv", "topk"), ("h2o", "poisson"),
                                                ("streaming", "bernoulli"), ("tova", "fixed")])
 def test_full_budget_reproduces_full_cache_tokens(tiny_store, score, design):
@@ -61,14 +74,7 @@ def test_simulator_and_model_agree_on_kept_sets_outputs_and_certificates(
     import capture.evict as ev
     from capture.enforce import EvictionState
 
-    path, loaded = tiny_store
-    store = open_store(path)
-    seq = store[store.sequence_ids[0]]
-    meta = seq.meta
-    P = int(meta["prompt_length"])
-    pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
-                           question_start=int(meta["question_start"]), window=8,
-                           scaling=store.model.scaling)
+    store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
     policy = make_policy(score, design, budget, score_params={"window": 8})
     seed = 5
     plans = layer_plans(pre.traces, policy, seed)
@@ -131,14 +137,7 @@ def test_simulator_and_model_agree_on_kept_sets_outputs_and_certificates(
 
 
 def test_per_head_kept_sets_differ_under_gqa(tiny_store):
-    path, loaded = tiny_store
-    store = open_store(path)
-    seq = store[store.sequence_ids[0]]
-    meta = seq.meta
-    P = int(meta["prompt_length"])
-    pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
-                           question_start=int(meta["question_start"]), window=8,
-                           scaling=store.model.scaling)
+    store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
     plans = layer_plans(pre.traces, make_policy("snapkv", "topk", 0.3,
                                                 score_params={"window": 8}), 0)
     kept = plans[0].kept.numpy()
@@ -147,14 +146,7 @@ def test_per_head_kept_sets_differ_under_gqa(tiny_store):
 
 
 def test_decode_schedule_is_refused_in_loop(tiny_store):
-    path, loaded = tiny_store
-    store = open_store(path)
-    seq = store[store.sequence_ids[0]]
-    meta = seq.meta
-    P = int(meta["prompt_length"])
-    pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
-                           question_start=int(meta["question_start"]), window=8,
-                           scaling=store.model.scaling)
+    store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
     with pytest.raises(ValueError, match="one-shot schedule only"):
         layer_plans(pre.traces, make_policy("h2o", "poisson", 0.3, schedule="decode:4"), 0)
 

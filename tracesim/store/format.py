@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tracesim.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir, tmp_path  # noqa: F401
 
 SCHEMA_VERSION = 1
 """Version of the on-disk layout; bumped on any incompatible change."""
@@ -27,7 +28,6 @@ MANIFEST_FILE = "manifest.parquet"
 O_PROJ_FILE = "o_proj.arrow"
 SEQ_DIR = "seq"
 TENSOR_SUFFIX = ".arrow"
-TMP_SUFFIX = ".tmp"
 LOCK_FILE = ".lock"
 STORAGE_DTYPES = ("float16", "float32")
 QUERY_ROLES = ("context_window", "question_window", "decode", "all")
@@ -215,38 +215,7 @@ def member_path(root: Path, rel: Any, label: str) -> Path:
 # --------------------------------------------------------------------------- files
 
 
-def fsync_dir(path: Path) -> None:
-    """Flush a directory entry (after a rename); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def tmp_path(path: Path) -> Path:
-    """Temporary sibling of ``path`` used while writing it."""
-    return path.with_name(path.name + TMP_SUFFIX)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file: write, fsync, rename, fsync the directory."""
-    tmp = tmp_path(path)
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+# fsync_dir, tmp_path and atomic_write_bytes live in tracesim.atomic (shared by every writer).
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -12,12 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tracesim.atomic import atomic_output
+
 from .format import (
     MANIFEST_FILE,
     QUERY_ROLES,
     StoreError,
-    fsync_dir,
-    tmp_path,
 )
 
 # (name, kind, arrow type written by tracesim). Kinds decide which types a reader accepts.
@@ -262,18 +261,8 @@ def read_manifest(root: Path) -> pa.Table:
 
 def write_manifest(root: Path, table: pa.Table) -> None:
     """Atomically replace ``manifest.parquet``: temp file, fsync, rename, fsync directory."""
-    path = root / MANIFEST_FILE
-    tmp = tmp_path(path)
-    try:
-        with open(tmp, "wb") as fh:
-            pq.write_table(table, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(root)
+    with atomic_output(root / MANIFEST_FILE) as fh:
+        pq.write_table(table, fh)
 
 
 def row_table(row: dict[str, Any]) -> pa.Table:
