@@ -126,16 +126,24 @@ def serving_certificates(
     m = tail_index.shape[1]
     a_t = torch.gather(a, 2, tail_index[:, None, :].expand(n_kv, G, m))  # (H_kv, G, m)
     v_t = torch.gather(value, 1, tail_index[:, :, None].expand(n_kv, m, d))  # (H_kv, m, d)
-    z = a_t[..., None] * (v_t[:, None] - out[:, :, None, :])  # (H_kv, G, m, d)
-    w = tail_weight.to(z.dtype)[:, None, :, None]
+    z = None
+    if fixed_size or gram is not None:
+        z = a_t[..., None] * (v_t[:, None] - out[:, :, None, :])  # (H_kv, G, m, d)
     if fixed_size:
+        w = tail_weight.to(z.dtype)[:, None, :, None]
         centre = (w * z).sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp_min(1e-30)
         m_real = (tail_weight > 0).sum(-1).to(z.dtype)
         inflate = torch.where(m_real > 1, m_real / (m_real - 1).clamp_min(1),
                               torch.zeros_like(m_real))
         cert = (inflate[:, None] * (w * (z - centre) ** 2).sum((2, 3))).reshape(H)
     else:
-        cert = (w * z * z).sum((2, 3)).reshape(H)
+        # Poisson: S2 - 2 o.S1 + |o|^2 S0 with S_k sums of (1-pi) a^2 |v|^k-type terms, i.e. two
+        # matrix-vector products over the tail instead of an (H, m, d) residual tensor.
+        wa2 = tail_weight.to(a_t.dtype)[:, None, :] * a_t * a_t  # (H_kv, G, m)
+        s0 = wa2.sum(-1)
+        s1 = torch.einsum("kgm,kmd->kgd", wa2, v_t)
+        s2 = torch.einsum("kgm,km->kg", wa2, (v_t * v_t).sum(-1))
+        cert = (s2 - 2 * (out * s1).sum(-1) + (out * out).sum(-1) * s0).clamp_min(0).reshape(H)
     layer_cert = None
     if gram is not None:
         u = z.permute(0, 2, 1, 3).reshape(n_kv, m, G * d)
