@@ -19,6 +19,7 @@ from tracesim.designs.bernoulli import Bernoulli
 from tracesim.designs.order import OrderSampling
 from tracesim.designs.poisson import PoissonPPS, inclusion_probabilities
 from tracesim.designs.topk import TopK
+from tracesim.registry import build
 
 __all__ = [
     "DESIGNS",
@@ -40,11 +41,4 @@ DESIGNS: dict[str, type[Design]] = {
 
 def make_design(name: str, **params: Any) -> Design:
     """Build a design from its registry name and hyperparameters (e.g. from a sweep spec)."""
-    try:
-        cls = DESIGNS[name]
-    except KeyError:
-        raise ValueError(f"unknown design {name!r}; expected one of {sorted(DESIGNS)}") from None
-    try:
-        return cls(**params)
-    except TypeError as exc:
-        raise ValueError(f"design {name!r}: {exc}") from None
+    return build(DESIGNS, "design", name, params)

@@ -36,6 +36,7 @@ from tracesim.policies.streaming import StreamingScore
 from tracesim.policies.tova import TOVAScore
 from tracesim.policies.uniform import RandomScore
 from tracesim.policies.vnorm import VNormScore
+from tracesim.registry import build
 from tracesim.schedules import Schedule
 
 __all__ = [
@@ -52,14 +53,7 @@ SCORES: dict[str, type[Score]] = {cls.name: cls for cls in (
 
 def make_score(name: str, **params: Any) -> Score:
     """Build a score from its registry name and hyperparameters."""
-    try:
-        cls = SCORES[name]
-    except KeyError:
-        raise ValueError(f"unknown score {name!r}; expected one of {sorted(SCORES)}") from None
-    try:
-        return cls(**params)
-    except TypeError as exc:
-        raise ValueError(f"score {name!r}: {exc}") from None
+    return build(SCORES, "score", name, params)
 
 
 def make_policy(
