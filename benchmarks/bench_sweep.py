@@ -103,7 +103,8 @@ def whole_sweeps(store: Path, seeds: int, tmp: Path) -> dict:
         summary = run_sweep(big_spec(store, seeds), backend=backend, workers=workers,
                             threads_per_worker=1, out=tmp / label.replace(" ", ""),
                             progress=False)
-        assert summary.complete
+        if not summary.complete:
+            raise RuntimeError(f"{label}: sweep incomplete: {summary.failures[:2]}")
         busy = summary.task_time_s
         runs[label] = {"wall_s": summary.wall_time_s, "tasks": summary.tasks["done"],
                        "configs": summary.n_configs, "rows": summary.n_rows,
@@ -123,7 +124,7 @@ def whole_sweeps(store: Path, seeds: int, tmp: Path) -> dict:
 def tiny_tasks(store: Path, tmp: Path) -> dict:
     spec = load_spec_dict(tiny_spec(store), tmp / "tiny-inproc")
     plan = plan_tasks(spec)
-    write_configs(spec.output, plan.spec_hash, spec)
+    write_configs(spec.output, plan, spec)
     warm_up()
     t0 = time.perf_counter()
     for task in plan.tasks:
@@ -133,7 +134,7 @@ def tiny_tasks(store: Path, tmp: Path) -> dict:
     for label, runner in (("local", run_local), ("dask", run_dask)):
         spec = load_spec_dict(tiny_spec(store), tmp / f"tiny-{label}")
         spec.output.mkdir(parents=True)
-        write_configs(spec.output, plan.spec_hash, spec)
+        write_configs(spec.output, plan, spec)
         stamps: list[float] = []
         start = time.perf_counter()
         events = Events(done=lambda t, i, s=stamps: s.append(time.perf_counter()),

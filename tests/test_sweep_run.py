@@ -173,7 +173,7 @@ def test_execute_task_per_seed_in_process(env, tmp_path):
     spec = load_spec(spec_path)
     plan = plan_tasks(spec)
     (task,) = plan.tasks
-    write_configs(spec.output, plan.spec_hash, spec)
+    write_configs(spec.output, plan, spec)
     info = execute_task(task, str(spec.output), plan.spec_hash, 1)
     table = pq.read_table(spec.output / task.path)
     assert info["rows"] == task.rows == table.num_rows

@@ -122,7 +122,7 @@ def _prepare(spec: SweepSpec, plan: TaskPlan, out_dir: Path) -> None:
     (out_dir / "tasks").mkdir(parents=True, exist_ok=True)
     for stale in (out_dir / "tasks").rglob(".*.tmp"):
         stale.unlink(missing_ok=True)
-    write_configs(out_dir, plan.spec_hash, spec)
+    write_configs(out_dir, plan, spec)
     write_json(out_dir / "spec.json", {"source": spec.source, "spec": spec.raw,
                                        "spec_hash": plan.spec_hash})
     (out_dir / "spec.yaml").write_text(yaml.safe_dump(spec.raw, sort_keys=False))

@@ -48,28 +48,24 @@ _ROLES = ("context_window", "question_window", "decode", "all")
 _PARTITION_KEYS = ("layers_per_task", "max_task_memory_mb")
 
 
-_FINGERPRINT: list[str] = []
-
-
 def code_fingerprint() -> str:
-    """sha256 of tracesim's source that can affect result rows.
+    """sha256 of tracesim's source that can affect result rows, read from disk now.
 
     Every ``.py`` file of the installed ``tracesim`` package except the ``sweep`` package and
     the ``cli.py`` modules. Part of the result hash, so a sweep never mixes rows computed by
-    two versions of the engine, and checked by every worker against the driver's.
+    two versions of the engine; workers compare it with the fingerprint of the code they
+    loaded (:data:`tracesim.sweep.worker.LOADED_CODE`).
     """
-    if not _FINGERPRINT:
-        import tracesim
+    import tracesim
 
-        root = Path(tracesim.__file__).resolve().parent
-        h = hashlib.sha256()
-        for path in sorted(root.rglob("*.py")):
-            rel = path.relative_to(root).as_posix()
-            if rel.startswith("sweep/") or path.name == "cli.py":
-                continue
-            h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
-        _FINGERPRINT.append(h.hexdigest())
-    return _FINGERPRINT[0]
+    root = Path(tracesim.__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("sweep/") or path.name == "cli.py":
+            continue
+        h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -125,13 +121,14 @@ class SweepSpec:
     def per_seed(self) -> bool:
         return self.record == "per_seed"
 
-    def result_hash(self) -> str:
+    def result_hash(self, code: str | None = None) -> str:
         """sha256 of everything that affects result rows (not paths, partition or output):
-        tracesim's version and source (:func:`code_fingerprint`), configurations, seeds,
-        record mode and replay options."""
+        tracesim's version and source (``code``, default :func:`code_fingerprint` now),
+        configurations, seeds, record mode and replay options."""
         from tracesim import __version__
 
-        doc = {"format": SWEEP_FORMAT, "version": __version__, "code": code_fingerprint(),
+        code = code_fingerprint() if code is None else code
+        doc = {"format": SWEEP_FORMAT, "version": __version__, "code": code,
                "configs": [p.to_json() for p in self.policies], "seeds": list(self.seeds),
                "record": self.record, "options": asdict(self.options)}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

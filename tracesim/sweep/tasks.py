@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracesim.policies import Policy
-from tracesim.sweep.spec import SweepSpec, selected_sequences
+from tracesim.sweep.spec import SweepSpec, code_fingerprint, selected_sequences
 
 __all__ = ["META_KEY", "Task", "TaskPlan", "config_cost", "plan_tasks", "read_task_meta",
            "sweep_schema", "task_file_ok"]
@@ -79,13 +79,17 @@ class Task:
 
 @dataclass(frozen=True)
 class TaskPlan:
-    """Every task of a sweep (largest estimated work first) plus totals for the dry run."""
+    """Every task of a sweep (largest estimated work first) plus totals for the dry run.
+
+    ``code`` is the source fingerprint the result hash was computed with (workers check it).
+    """
 
     tasks: tuple[Task, ...]
     spec_hash: str
     n_sequences: int
     n_layer_units: int
     n_query_evals: float
+    code: str = ""
 
     @property
     def work(self) -> float:
@@ -149,7 +153,8 @@ def plan_tasks(spec: SweepSpec) -> TaskPlan:
     """
     from tracesim.store import open_store
 
-    spec_hash = spec.result_hash()
+    code = code_fingerprint()
+    spec_hash = spec.result_hash(code)
     n_seeds = len(spec.seeds)
     tasks: list[Task] = []
     n_seq = n_units = 0
@@ -192,7 +197,7 @@ def plan_tasks(spec: SweepSpec) -> TaskPlan:
                         work=len(lc) * (sum(c[0] for c in costs[a:b]) + m.n_heads * nq * P),
                         memory_mb=(base + sum(c[1] for c in costs[a:b])) / 2**20))
     tasks.sort(key=lambda t: (-t.work, t.path))
-    return TaskPlan(tuple(tasks), spec_hash, n_seq, n_units, evals)
+    return TaskPlan(tuple(tasks), spec_hash, n_seq, n_units, evals, code)
 
 
 def read_task_meta(path: Path) -> dict | None:

@@ -16,7 +16,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["configure_threads", "execute_task", "init_worker", "warm_up", "write_configs"]
+from tracesim.sweep.spec import code_fingerprint
+
+__all__ = ["LOADED_CODE", "configure_threads", "execute_task", "init_worker", "warm_up",
+           "write_configs"]
+
+#: Fingerprint of tracesim's source as this process imported it (forkserver children inherit
+#: the server's): tasks refuse to run when the driver planned with different code.
+LOADED_CODE: str = code_fingerprint()
 
 _STORES: dict[str, Any] = {}
 _CONFIGS: dict[tuple[str, str], tuple[list, np.ndarray, bool, Any]] = {}
@@ -90,17 +97,22 @@ def warm_up() -> float:
 
 
 def init_worker(threads: int, warm: bool = True) -> None:
-    """Process-pool initializer: thread limits, code fingerprint, then the JIT warm-up."""
-    from tracesim.sweep.spec import code_fingerprint
-
+    """Process-pool initializer: thread limits, then the JIT warm-up."""
     configure_threads(threads)
-    code_fingerprint()  # of the source as loaded now, before any task runs
     if warm:
         warm_up()
 
 
-def write_configs(out_dir: Path, spec_hash: str, spec: Any) -> Path:
-    """Write ``OUT/configs.json`` atomically (what workers replay); return its path."""
+def write_configs(out_dir: Path, plan: Any, spec: Any) -> Path:
+    """Write ``OUT/configs.json`` atomically (what workers replay); return its path.
+
+    Parameters
+    ----------
+    out_dir : Path
+    plan : tracesim.sweep.tasks.TaskPlan
+        Gives the result hash and the source fingerprint workers must match.
+    spec : tracesim.sweep.spec.SweepSpec
+    """
     from tracesim.policies import Policy
 
     configs = []
@@ -110,9 +122,7 @@ def write_configs(out_dir: Path, spec_hash: str, spec: Any) -> Path:
             raise ValueError(f"policy {p.id!r} does not survive its JSON round trip")
         configs.append({"id": p.id, **doc})
     opts = spec.options
-    from tracesim.sweep.spec import code_fingerprint
-
-    doc = {"spec_hash": spec_hash, "code": code_fingerprint(), "seeds": list(spec.seeds),
+    doc = {"spec_hash": plan.spec_hash, "code": plan.code, "seeds": list(spec.seeds),
            "record": spec.record,
            "options": {"alpha": opts.alpha, "output_space": opts.output_space,
                        "satterthwaite": opts.satterthwaite,
@@ -147,13 +157,11 @@ def _configs(out_dir: str, spec_hash: str):
     if key not in _CONFIGS:
         from tracesim.policies import Policy
         from tracesim.replay import ReplayOptions
-        from tracesim.sweep.spec import code_fingerprint
-
         doc = json.loads((Path(out_dir) / "configs.json").read_text())
         if doc["spec_hash"] != spec_hash:
             raise RuntimeError(f"{out_dir}/configs.json belongs to spec {doc['spec_hash'][:12]}"
                                f", not {spec_hash[:12]}: another sweep uses this directory")
-        if doc["code"] != code_fingerprint():
+        if doc["code"] != LOADED_CODE:
             raise RuntimeError("this worker runs different tracesim source code than the "
                                "driver (code fingerprint mismatch); install the same version "
                                "on every worker")
