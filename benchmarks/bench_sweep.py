@@ -4,15 +4,16 @@ Side by side in one run, on ``data/sample-traces`` when it exists (else a synthe
 the same shape: 3 sequences x 30 layers, 9 heads / 3 KV heads, d = 64, ~128 positions):
 
 A. a whole sweep of 217 configurations (6 scores x {topk, poisson, bernoulli} x budgets
-   {0.25, 0.5, 48 tokens} x {uniform, adakv} x {oneshot, decode:4}, + full) x 8 seeds over every
+   {0.25, 0.5, 48 tokens} x {uniform, adakv} x {oneshot, decode:4}, + full) x 16 seeds over every
    layer and sequence (90 tasks), end to end (worker start-up, JIT warm-up, compaction
    included) on ``local`` with 1 worker, ``local`` with 2 workers and ``dask`` with 2 workers,
    one numba thread each; results are checked identical;
 B. per-task overhead on many tiny tasks (1 configuration, 1 seed, 90 tasks): the steady-state
    cost per task (``workers x`` the interval between task completions, start-up excluded)
-   minus the in-process time of the same tasks, for ``local`` and ``dask`` with 2 workers.
+   minus the in-process time of the same tasks, for ``local`` and ``dask`` with 2 workers
+   (median of 3 runs each).
 
-Usage: ``python benchmarks/bench_sweep.py [--seeds 8] [--json]`` (~3-4 min on 2 cores)
+Usage: ``python benchmarks/bench_sweep.py [--seeds 16] [--json]`` (~2.5 min on 2 idle cores)
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def whole_sweeps(store: Path, seeds: int, tmp: Path) -> dict:
     return runs
 
 
-def tiny_tasks(store: Path, tmp: Path) -> dict:
+def tiny_tasks(store: Path, tmp: Path, repeats: int = 3) -> dict:
     spec = load_spec_dict(tiny_spec(store), tmp / "tiny-inproc")
     plan = plan_tasks(spec)
     write_configs(spec.output, plan, spec)
@@ -132,21 +133,25 @@ def tiny_tasks(store: Path, tmp: Path) -> dict:
     inproc = (time.perf_counter() - t0) / len(plan.tasks)
     out = {"tasks": len(plan.tasks), "in_process_s": inproc}
     for label, runner in (("local", run_local), ("dask", run_dask)):
-        spec = load_spec_dict(tiny_spec(store), tmp / f"tiny-{label}")
-        spec.output.mkdir(parents=True)
-        write_configs(spec.output, plan, spec)
-        stamps: list[float] = []
-        start = time.perf_counter()
-        events = Events(done=lambda t, i, s=stamps: s.append(time.perf_counter()),
-                        retry=lambda t, e: None, failed=lambda t, e: print("failed", e))
-        runner(plan.tasks, str(spec.output), plan.spec_hash, events, workers=2, threads=1)
-        stamps.sort()
-        per_task = 2 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-        out[label] = {"start_s": stamps[0] - start, "per_task_s": per_task,
-                      "overhead_s": per_task - inproc}
-        print(f"  {label:6s} start-up to first task {stamps[0] - start:5.1f} s; per task "
+        starts, costs = [], []
+        for rep in range(repeats):
+            spec = load_spec_dict(tiny_spec(store), tmp / f"tiny-{label}-{rep}")
+            write_configs(spec.output, plan, spec)
+            stamps: list[float] = []
+            start = time.perf_counter()
+            events = Events(done=lambda t, i, s=stamps: s.append(time.perf_counter()),
+                            retry=lambda t, e: None, failed=lambda t, e: print("failed", e))
+            runner(plan.tasks, str(spec.output), plan.spec_hash, events, workers=2, threads=1)
+            stamps.sort()
+            starts.append(stamps[0] - start)
+            costs.append(2 * (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        per_task, start_s = float(np.median(costs)), float(np.median(starts))
+        out[label] = {"start_s": start_s, "per_task_s": per_task, "overhead_s": per_task - inproc,
+                      "per_task_all_s": costs}
+        print(f"  {label:6s} start-up to first task {start_s:5.1f} s; per task "
               f"{per_task * 1e3:6.1f} ms (in-process {inproc * 1e3:5.1f} ms) -> overhead "
-              f"{(per_task - inproc) * 1e3:6.1f} ms/task", flush=True)
+              f"{(per_task - inproc) * 1e3:6.1f} ms/task (median of {repeats}: "
+              + ", ".join(f"{1e3 * (c - inproc):.1f}" for c in costs) + ")", flush=True)
     return out
 
 
@@ -156,7 +161,7 @@ def load_spec_dict(doc: dict, out: Path):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
