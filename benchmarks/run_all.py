@@ -27,7 +27,8 @@ BENCHMARKS: dict[str, list[str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(BENCHMARKS))
+    ap.add_argument("--only", default=None,
+                    help="comma-separated subset of " + ",".join(BENCHMARKS))
     args = ap.parse_args(argv)
     names = list(BENCHMARKS) if args.only is None else args.only.split(",")
     unknown = [n for n in names if n not in BENCHMARKS]
