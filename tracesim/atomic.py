@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -40,10 +41,16 @@ def tmp_path(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """Open a binary file that appears at ``path`` only once the block completes."""
+def atomic_output(path: str | os.PathLike, *, unique: bool = False) -> Iterator[BinaryIO]:
+    """Open a binary file that appears at ``path`` only once the block completes.
+
+    With ``unique`` the temporary name also carries the process id and a random suffix, for
+    writers that may race on the same target (a retried task while a lost worker still runs);
+    the last complete file wins and no one ever sees a partial one.
+    """
     path = Path(path)
-    tmp = tmp_path(path)
+    tmp = (path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+           if unique else tmp_path(path))
     try:
         with open(tmp, "wb") as fh:
             yield fh
@@ -56,7 +63,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, unique: bool = False) -> None:
     """Write ``data`` to ``path`` atomically."""
-    with atomic_output(path) as fh:
+    with atomic_output(path, unique=unique) as fh:
         fh.write(data)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
+from tracesim.atomic import atomic_output, atomic_write_bytes
 from tracesim.sweep.tasks import META_KEY, Task, sweep_schema
 
 __all__ = ["RESULTS_FILE", "SUMMARY_FILE", "compact", "find_prereg", "sha256_file",
@@ -57,23 +56,11 @@ def find_prereg(explicit: Path | None, spec_source: str) -> Path | None:
     return None
 
 
-def _fsync_replace(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json(path: Path, doc: Any) -> None:
     """Write JSON atomically (temp + fsync + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    _fsync_replace(tmp, path)
+    atomic_write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode(),
+                       unique=True)
 
 
 def compact(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[str]) -> int:
@@ -90,23 +77,18 @@ def compact(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[str]) ->
                                            t.layers, t.configs))
     path = out_dir / RESULTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     schema = sweep_schema()
     rows = 0
-    try:
-        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-            for task in ordered:
-                f = pq.ParquetFile(out_dir / task.path)
-                meta = json.loads((f.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
-                if meta.get("key") != task.key or f.metadata.num_rows != task.rows:
-                    raise RuntimeError(f"{task.path}: does not match its task (key "
-                                       f"{meta.get('key')} vs {task.key}, rows "
-                                       f"{f.metadata.num_rows} vs {task.rows})")
-                for i in range(f.num_row_groups):
-                    writer.write_table(f.read_row_group(i).replace_schema_metadata(None))
-                rows += task.rows
-        _fsync_replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_output(path, unique=True) as fh, pq.ParquetWriter(
+            fh, schema, compression="zstd") as writer:
+        for task in ordered:
+            f = pq.ParquetFile(out_dir / task.path)
+            meta = json.loads((f.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
+            if meta.get("key") != task.key or f.metadata.num_rows != task.rows:
+                raise RuntimeError(f"{task.path}: does not match its task (key "
+                                   f"{meta.get('key')} vs {task.key}, rows "
+                                   f"{f.metadata.num_rows} vs {task.rows})")
+            for i in range(f.num_row_groups):
+                writer.write_table(f.read_row_group(i).replace_schema_metadata(None))
+            rows += task.rows
     return rows

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tracesim.atomic import atomic_output, atomic_write_bytes
 from tracesim.sweep.spec import code_fingerprint
 
 __all__ = ["LOADED_CODE", "configure_threads", "execute_task", "init_worker", "warm_up",
@@ -130,26 +130,8 @@ def write_configs(out_dir: Path, plan: Any, spec: Any) -> Path:
            "configs": configs}
     path = Path(out_dir) / "configs.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, json.dumps(doc, indent=1).encode())
+    atomic_write_bytes(path, json.dumps(doc, indent=1).encode(), unique=True)
     return path
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _configs(out_dir: str, spec_hash: str):
@@ -219,27 +201,19 @@ def execute_task(task: Any, out_dir: str, spec_hash: str, threads: int) -> dict[
             "sequence_id": task.sequence_id, "layers": list(task.layers),
             "configs": list(task.configs)}
     schema = sweep_schema().with_metadata({META_KEY: json.dumps(meta)})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     a, b = task.configs
     n = 0
-    try:
-        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-            for batch in iter_replay(store, policies[a:b], seeds=seeds, layers=task.layers,
-                                     sequences=[task.sequence_id], per_seed=per_seed,
-                                     progress=False, options=options):
-                extra = [pa.array([task.store] * batch.num_rows, pa.string()),
-                         pa.array([task.model_id] * batch.num_rows, pa.string())]
-                writer.write_batch(pa.RecordBatch.from_arrays(
-                    extra + list(batch.columns), schema=schema))
-                n += batch.num_rows
+    with atomic_output(path, unique=True) as fh, pq.ParquetWriter(
+            fh, schema, compression="zstd") as writer:
+        for batch in iter_replay(store, policies[a:b], seeds=seeds, layers=task.layers,
+                                 sequences=[task.sequence_id], per_seed=per_seed,
+                                 progress=False, options=options):
+            extra = [pa.array([task.store] * batch.num_rows, pa.string()),
+                     pa.array([task.model_id] * batch.num_rows, pa.string())]
+            writer.write_batch(pa.RecordBatch.from_arrays(
+                extra + list(batch.columns), schema=schema))
+            n += batch.num_rows
         if n != task.rows:
             raise RuntimeError(f"task {task.path}: wrote {n} rows, expected {task.rows}")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return {"key": task.key, "rows": n, "seconds": time.perf_counter() - t0,
             "cpu_s": time.process_time() - c0, "pid": os.getpid()}
