@@ -19,6 +19,7 @@ offline estimator to float32 rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,19 +159,32 @@ class EvictionState(CaptureState):
     Parameters
     ----------
     prompt_length : int
-        The plans cover positions ``[0, prompt_length)``; later positions are always kept.
+        The first plans cover positions ``[0, prompt_length)``; later positions are kept until an
+        event re-plans them.
     plans : dict of int to LayerPlan
         One plan per layer (a layer without a plan attends to the full cache).
     grams : dict of int to torch.Tensor, optional
         Per-layer ``(H_kv, G*d, G*d)`` Gram matrices for the output-space certificate.
     record_positions : iterable of int
         Query positions whose Q/outputs are recorded (as in :class:`CaptureState`).
+    event_times : set of int
+        Decode positions at which ``replan`` is called (decode-time eviction schedules).
+    replan : callable, optional
+        ``replan(tau) -> plans`` for the cache holding positions ``< tau``.
     """
 
     def __init__(self, prompt_length: int, plans: dict[int, LayerPlan],
-                 grams: dict[int, torch.Tensor] | None = None, record_positions=()) -> None:
-        super().__init__(prompt_length, record_positions, bias_fn=self._bias)
+                 grams: dict[int, torch.Tensor] | None = None, record_positions=(), *,
+                 event_times: set[int] | frozenset[int] = frozenset(),
+                 replan: Callable[[int], dict[int, LayerPlan]] | None = None) -> None:
+        # Decode queries are recorded when later events need them for scoring.
+        super().__init__(prompt_length, record_positions, bias_fn=self._bias,
+                         record_from=prompt_length if replan is not None else None)
         self.plans = plans
+        self.event_times = frozenset(int(t) for t in event_times)
+        self.replan = replan
+        # (event time, plans) of every event, the first at the end of prefill.
+        self.history: list[tuple[int, dict[int, LayerPlan]]] = [(prompt_length, plans)]
         self.grams = grams or {}
         # Per decode step: {layer: (certificate_sq per head (H,), layer certificate_sq)}.
         self.certificates: list[dict[int, tuple[np.ndarray, float]]] = []
@@ -180,6 +194,10 @@ class EvictionState(CaptureState):
         if self._step_certs:
             self.certificates.append(self._step_certs)
         self._step_certs = {}
+        if self.replan is not None and start in self.event_times and stop == start + 1:
+            # Decode-time eviction: the cache holds positions < start; re-plan every layer.
+            self.plans = self.replan(start)
+            self.history.append((start, self.plans))
         super().begin_step(start, stop)
 
     def end(self) -> None:

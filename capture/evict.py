@@ -9,14 +9,15 @@ same permanent random numbers (bit-identical torch port), is enforced as an atte
 cropped back to the prompt between configurations, so a grid costs one prefill plus one short
 decode per configuration.
 
-Only the one-shot schedule is enforced in the loop (compression right after prefill); decode-time
-schedules need scores from queries generated under eviction and are left to a later change.
+Both schedules are enforced: one-shot compression right after prefill, and decode-time eviction
+every K steps, where each event re-plans every layer from what exists at that moment (the decode
+queries generated under eviction included) with the nested rule ``kept while u < min pi``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from capture.prn_torch import permanent_uniforms_torch
 from capture.runner import query_roles
 from capture.tasks import grade
 from tracesim.policies import LayerTrace, Policy
-from tracesim.replay.kept import first_event_inclusion
+from tracesim.replay.kept import event_inclusion, first_event_inclusion
 
 __all__ = ["Prefill", "decode_policy", "failure_label", "layer_plans", "prefill_sequence"]
 
@@ -103,21 +104,48 @@ def prefill_sequence(
     return Prefill(cache=cache, logits=logits, traces=traces, prompt_length=P, grams=grams)
 
 
+def _plan(pi: np.ndarray, kept: np.ndarray, policy: Policy) -> LayerPlan:
+    return LayerPlan(pi=torch.from_numpy(pi), kept=torch.from_numpy(np.asarray(kept, bool)),
+                     hajek=policy.correction == "hajek", certified=policy.certified,
+                     fixed_size=policy.design is not None and policy.design.variance == "fixed")
+
+
 def layer_plans(traces: list[LayerTrace], policy: Policy, seed: int) -> dict[int, LayerPlan]:
-    """Kept sets of every layer for one policy and seed, exactly as the simulator draws them."""
-    if policy.schedule.kind != "oneshot":
-        raise ValueError(f"in-loop eviction supports the one-shot schedule only, got "
-                         f"{policy.schedule.label()}")
+    """Kept sets of every layer after the first event (compression right after prefill),
+    exactly as the simulator draws them."""
     plans = {}
     n_layers = len(traces)
     for trace in traces:
         pi, kept = first_event_inclusion(trace, policy, int(seed), n_layers,
                                          uniforms=_uniforms_torch(seed, trace))
-        plans[trace.layer] = LayerPlan(
-            pi=torch.from_numpy(pi), kept=torch.from_numpy(kept),
-            hajek=policy.correction == "hajek", certified=policy.certified,
-            fixed_size=policy.design is not None and policy.design.variance == "fixed")
+        plans[trace.layer] = _plan(pi, kept, policy)
     return plans
+
+
+def _trace_at(prefill: Prefill, state: EvictionState, layer: int, tau: int) -> LayerTrace:
+    """The layer as it exists at time ``tau``: prefill windows and H2O, the decode queries
+    recorded so far, and the cache's keys and values at positions ``< tau``."""
+    base = prefill.traces[layer]
+    rec = state.layers[layer]
+    f64 = np.float64
+    keys = rec.keys[:, :tau].double().cpu().numpy()
+    values = rec.values[:, :tau].double().cpu().numpy()
+    dec_q = [q.double().cpu().numpy() for q in rec.queries]
+    dec_pos = [p.numpy() for p in rec.positions]
+    queries, positions = base.queries, base.query_positions
+    roles = list(base.query_roles)
+    if dec_q:
+        pos = np.concatenate(dec_pos)
+        keep = pos < tau
+        queries = np.concatenate([queries, np.concatenate(dec_q, axis=1)[:, keep]], axis=1)
+        positions = np.concatenate([positions, pos[keep]])
+        roles += ["decode"] * int(keep.sum())
+    h2o = np.zeros((base.n_heads, tau), dtype=f64)
+    h2o[:, :base.n_positions] = base.h2o
+    return LayerTrace(layer=layer, keys=keys, values=values, queries=queries, h2o=h2o,
+                      query_positions=positions.astype(np.int64), query_roles=roles,
+                      prompt_length=base.prompt_length, question_start=base.question_start,
+                      scale=base.scale)
 
 
 def _uniforms_torch(seed: int, trace: LayerTrace) -> np.ndarray:
@@ -137,14 +165,37 @@ class DecodeResult:
     stopped_on_eos: bool
     certificates: list[dict[int, tuple[np.ndarray, float]]]
     kept_tokens: np.ndarray  # (n_layers, n_kv) kept prompt tokens
+    history: list[tuple[int, dict[int, LayerPlan]]] = field(default_factory=list)
 
 
 @torch.inference_mode()
 def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
-                  max_new_tokens: int, eos_ids: set[int]) -> DecodeResult:
-    """Greedy decode under ``plans`` from the prefill cache, then crop the cache back."""
+                  max_new_tokens: int, eos_ids: set[int], policy: Policy | None = None,
+                  seed: int = 0) -> DecodeResult:
+    """Greedy decode under ``plans`` from the prefill cache, then crop the cache back.
+
+    With a decode-time ``policy`` (``schedule="decode:K"``) every layer is re-planned at each
+    event from what exists then, with the nested rule (``kept while u < min pi``).
+    """
     P = prefill.prompt_length
-    state = EvictionState(P, plans, prefill.grams)
+    events: set[int] = set()
+    replan = None
+    if policy is not None and policy.schedule.kind == "decode":
+        L = policy.score.compress_end(prefill.traces[0])
+        events = set(int(t) for t in policy.schedule.event_times(L, P, P + max_new_tokens)
+                     if t > P)
+        n_layers = len(prefill.traces)
+
+        def replan(tau: int) -> dict[int, LayerPlan]:
+            out = {}
+            for layer in range(n_layers):
+                trace = _trace_at(prefill, state, layer, tau)
+                pi, kept = event_inclusion(trace, policy, int(seed), n_layers, tau,
+                                           uniforms=_uniforms_torch(seed, trace))
+                out[layer] = _plan(pi, kept, policy)
+            return out
+
+    state = EvictionState(P, plans, prefill.grams, event_times=events, replan=replan)
     try:
         with recording(model, state):
             generated, logprobs = decode_greedy(model, prefill.cache, prefill.logits, P,
@@ -152,10 +203,11 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
         state.end()
     finally:
         _restore(prefill.cache, P)
-    kept = (np.stack([plans[layer].kept.sum(dim=1).numpy() for layer in sorted(plans)])
+    plans = state.plans
+    kept = (np.stack([plans[layer].kept[:, :P].sum(dim=1).numpy() for layer in sorted(plans)])
             if plans else np.full((1, 1), P))
     return DecodeResult(generated, logprobs, bool(generated[-1] in eos_ids), state.certificates,
-                        kept)
+                        kept, state.history)
 
 
 def _restore(cache: Any, length: int) -> None:

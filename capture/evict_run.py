@@ -56,7 +56,8 @@ def run_evict(
         A trace store (its token ids, prompt boundaries, gold answers and full-cache outcome are
         used; tensors are not).
     policies : sequence of tracesim.policies.Policy
-        One-shot policies (see :func:`tracesim.sweep.grid.parse_grid` for the YAML grammar).
+        One-shot or decode-time policies (see :func:`tracesim.sweep.grid.parse_grid` for the
+        YAML grammar).
     seeds : int or sequence of int
         Seeds for randomized policies (deterministic ones run once, seed -1).
     out : path
@@ -89,10 +90,6 @@ def run_evict(
     if not seed_list:
         raise ValueError("seeds: expected at least one seed")
     policies = list(policies)
-    for p in policies:
-        if p.schedule.kind != "oneshot":
-            raise ValueError(f"policy {p.id}: in-loop eviction supports the one-shot schedule "
-                             "only")
     ids = list(store.sequence_ids) if sequences is None else list(sequences)
     out = Path(out)
     parts = out / "parts"
@@ -122,7 +119,7 @@ def run_evict(
         for policy, seed in runs:
             plans = layer_plans(pre.traces, policy, max(seed, 0))
             t0 = time.perf_counter()
-            res = decode_policy(loaded.model, pre, plans, budget, eos)
+            res = decode_policy(loaded.model, pre, plans, budget, eos, policy, max(seed, 0))
             row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers)
             row["decode_seconds"] = time.perf_counter() - t0
             rows.append(row)

@@ -145,10 +145,57 @@ def test_per_head_kept_sets_differ_under_gqa(tiny_store):
     assert torch.isinf(plans[0].bias).any()
 
 
-def test_decode_schedule_is_refused_in_loop(tiny_store):
+def test_decode_schedule_holds_memory_at_the_budget(tiny_store):
+    # Budgets are fractions of the context (the prompt), so under decode-time eviction 100% keeps
+    # the whole prompt at the first event and then holds the cache at the prompt's size: every
+    # later event evicts, in expectation, exactly the tokens generated since.
     store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
-    with pytest.raises(ValueError, match="one-shot schedule only"):
-        layer_plans(pre.traces, make_policy("h2o", "poisson", 0.3, schedule="decode:4"), 0)
+    n = len(meta["generated_ids"])
+    policy = make_policy("h2o", "poisson", 1.0, schedule="decode:2", score_params={"window": 8})
+    res = decode_policy(loaded.model, pre, layer_plans(pre.traces, policy, 0), n, set(),
+                        policy, 0)
+    assert [tau for tau, _ in res.history] == [P, *range(P + 2, P + n, 2)]
+    first = res.history[0][1]
+    assert all(bool((p.pi == 1).all()) for p in first.values())
+    for tau, plans in res.history[1:]:
+        for p in plans.values():
+            assert p.pi.shape[1] == tau
+            # the nested rule only lowers probabilities, so memory is at most the budget
+            assert (p.pi.sum(dim=1) <= P + 1e-6).all()
+
+
+@pytest.mark.parametrize(("score", "design"), [("h2o", "poisson"), ("tova", "topk")])
+def test_decode_schedule_replans_like_the_simulator(tiny_store, score, design):
+    """Each event re-plans from what exists then. Layer 0's queries, keys and values depend only
+    on the tokens, so while the evicted run repeats the full-cache tokens its events must keep
+    exactly what the replay engine keeps on the stored trace."""
+    from tracesim.replay.inclusion import _slot_events
+
+    store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
+    policy = make_policy(score, design, 0.6, schedule="decode:2", score_params={"window": 8})
+    n = len(meta["generated_ids"])
+    res = decode_policy(loaded.model, pre, layer_plans(pre.traces, policy, 3), n, set(),
+                        policy, 3)
+    assert len(res.history) >= 2
+    for tau, plans in res.history:
+        assert plans[0].pi.shape[1] == tau
+    # Nested rule: effective probabilities never grow from one event to the next.
+    for (t0, a), (_, b) in zip(res.history, res.history[1:], strict=False):
+        assert (b[1].pi[:, :t0] <= a[1].pi + 1e-12).all()
+    trace = load_layer(store, seq, 0)
+    qpos = trace.query_positions[trace.query_positions >= P]
+    pi_sim, taus, _ = _slot_events(trace, policy, 3, store.model.n_layers, qpos)
+    full = list(meta["generated_ids"])
+    checked = 0
+    for tau, plans in res.history:
+        # tokens fed before tau: generated[:tau - P]; compare only while they match the full run
+        if res.generated_ids[:tau - P] != full[:tau - P]:
+            break
+        e = int(np.searchsorted(taus, tau, side="right") - 1)
+        np.testing.assert_allclose(plans[0].pi.numpy(), pi_sim[e][:, :tau], rtol=1e-9,
+                                   atol=1e-12)
+        checked += 1
+    assert checked >= 1
 
 
 def test_failure_labels():

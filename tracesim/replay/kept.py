@@ -11,7 +11,7 @@ import numpy as np
 from tracesim.policies import LayerTrace, Policy
 from tracesim.replay.inclusion import _fixed_kept, _slot_events, seed_uniforms
 
-__all__ = ["first_event_inclusion"]
+__all__ = ["event_inclusion", "first_event_inclusion"]
 
 
 def first_event_inclusion(
@@ -51,3 +51,34 @@ def first_event_inclusion(
     else:
         kept = uniforms < pi
     return pi, kept
+
+
+def event_inclusion(
+    trace: LayerTrace,
+    policy: Policy,
+    seed: int,
+    n_layers: int,
+    tau: int,
+    uniforms: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Effective inclusion probabilities and kept mask after the last event at or before ``tau``.
+
+    ``trace`` holds what exists at time ``tau`` (positions ``< tau``, the decode queries so far);
+    every event is recomputed from it, which equals the offline result because a score at an
+    event only reads what precedes it. The probabilities are the running minimum over events
+    (the nested permanent-random-number rule), so ``kept = u < pi`` stays a Poisson design.
+
+    Returns
+    -------
+    pi, kept : ndarrays of shape (n_kv_heads, n_positions)
+    """
+    if policy.design is not None and policy.design.variance == "fixed":
+        raise ValueError("fixed-size designs support only the one-shot schedule")
+    pi_events, taus, _ = _slot_events(trace, policy, int(seed), n_layers,
+                                      np.array([int(tau)], dtype=np.int64))
+    e = int(np.searchsorted(taus, int(tau), side="right") - 1)
+    pi = np.ascontiguousarray(pi_events[max(e, 0)])
+    if uniforms is None:
+        uniforms = seed_uniforms(np.array([seed]), trace.layer, trace.n_kv_heads,
+                                 trace.n_positions)[0]
+    return pi, uniforms < pi
