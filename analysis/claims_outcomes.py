@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from analysis.auc import delong_auc, delong_paired_test
+from analysis.auc import cluster_bootstrap_auc, delong_auc, delong_paired_test
 from analysis.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimResult
 from analysis.equivalence import paired_noninferiority, paired_tost
 
@@ -96,11 +96,16 @@ def evaluate_c4(outcomes: pd.DataFrame, prereg) -> tuple[ClaimResult, dict]:
     a = -df["logprob_mean"].to_numpy(float)
     b = df["certificate_mean"].to_numpy(float)
     test = delong_paired_test(a, b, failed.to_numpy(), alpha=alpha)
-    res.estimate, res.ci_low, res.ci_high, res.pvalue = (test.difference, test.ci_low,
-                                                         test.ci_high, test.pvalue)
-    _auc_verdict(res, test.difference > 0, test.pvalue < alpha)
+    # Runs of one sequence are dependent: the interval and p-value resample sequences.
+    boot = cluster_bootstrap_auc(a, failed.to_numpy(), df["sequence_id"].to_numpy(),
+                                 scores_b=b, alpha=alpha)
+    res.estimate, res.ci_low, res.ci_high, res.pvalue = (boot.estimate, boot.ci_low,
+                                                         boot.ci_high, boot.pvalue)
+    _auc_verdict(res, boot.estimate > 0, boot.pvalue < alpha)
     res.detail = (f"AUC(-mean log-prob) {test.auc_a:.3f} vs AUC(certificate) {test.auc_b:.3f} "
-                  f"for failure, {len(df)} runs ({int(failed.sum())} failed)")
+                  f"for failure, {len(df)} runs ({int(failed.sum())} failed) from "
+                  f"{boot.n_clusters} sequences; cluster-bootstrap CI and p (DeLong p, which "
+                  f"treats runs as independent: {test.pvalue:.3g})")
     curves = {"failure: -mean log-prob": (a, failed.to_numpy()),
               "failure: certificate": (b, failed.to_numpy())}
     return res, curves
@@ -120,22 +125,25 @@ def evaluate_c6(outcomes: pd.DataFrame, prereg) -> tuple[ClaimResult, dict]:
         return res, {}
     cert = df["certificate_max"].to_numpy(float)
     conf = -df["logprob_mean"].to_numpy(float)
+    groups = df["sequence_id"].to_numpy()
     auc = delong_auc(cert, label, alpha=alpha)
     paired = delong_paired_test(cert, conf, label, alpha=alpha)
-    res.estimate, res.ci_low, res.ci_high = auc.auc, auc.ci_low, auc.ci_high
-    # One-sided p-value of AUC <= 0.5.
-    from scipy import stats
-
-    res.pvalue = float(stats.norm.sf((auc.auc - 0.5) / auc.se)) if auc.se > 0 else np.nan
-    if auc.ci_low > 0.5 and paired.difference > 0 and paired.pvalue < alpha:
+    # Failures of one sequence are dependent: intervals and p-values resample sequences.
+    boot = cluster_bootstrap_auc(cert, label, groups, alpha=alpha)
+    boot_pair = cluster_bootstrap_auc(cert, label, groups, scores_b=conf, alpha=alpha)
+    res.estimate, res.ci_low, res.ci_high, res.pvalue = (auc.auc, boot.ci_low, boot.ci_high,
+                                                         boot.pvalue)
+    if boot.ci_low > 0.5 and boot_pair.estimate > 0 and boot_pair.pvalue < alpha:
         res.verdict = SUPPORTED
-    elif auc.ci_high < 0.6:
+    elif boot.ci_high < 0.6:
         res.verdict = NOT_SUPPORTED
     else:
         res.verdict = INCONCLUSIVE
     res.detail = (f"AUC(certificate) {auc.auc:.3f} vs AUC(confidence) {paired.auc_b:.3f} for "
-                  f"cache-induced among {len(df)} failures ({int(label.sum())} cache-induced)")
-    res.extra = {"confidence_auc": paired.auc_b, "paired_p": paired.pvalue}
+                  f"cache-induced among {len(df)} failures ({int(label.sum())} cache-induced) "
+                  f"from {boot.n_clusters} sequences; cluster-bootstrap CI and p")
+    res.extra = {"confidence_auc": paired.auc_b, "paired_p": boot_pair.pvalue,
+                 "delong_ci": (auc.ci_low, auc.ci_high)}
     curves = {"cache-induced: certificate": (cert, label),
               "cache-induced: -mean log-prob": (conf, label)}
     return res, curves

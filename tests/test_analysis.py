@@ -167,3 +167,26 @@ def test_prereg_loads_validates_and_guards_its_hash(tmp_path):
     bad.write_text("!!python/object/apply:os.system ['true']\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_prereg(bad)
+
+
+def test_cluster_bootstrap_auc_widens_under_within_cluster_dependence():
+    from analysis.auc import cluster_bootstrap_auc
+
+    rng = np.random.default_rng(8)
+    # Independent cases: bootstrap SE close to DeLong's.
+    y = rng.random(600) < 0.4
+    s = y * 0.8 + rng.normal(size=600)
+    boot = cluster_bootstrap_auc(s, y, np.arange(600), n_boot=400, seed=1)
+    delong = delong_auc(s, y)
+    assert boot.estimate == pytest.approx(delong.auc)
+    assert 0.8 < boot.se / delong.se < 1.25
+    # 30 clusters of 20 identical-ish runs: the effective sample is ~30, not 600.
+    cl = np.repeat(np.arange(30), 20)
+    yc = np.repeat(rng.random(30) < 0.4, 20)
+    sc = np.repeat(yc[::20] * 0.8 + rng.normal(size=30), 20) + rng.normal(scale=0.05, size=600)
+    boot_c = cluster_bootstrap_auc(sc, yc, cl, n_boot=400, seed=1)
+    assert boot_c.se > 2.5 * delong_auc(sc, yc).se
+    # Paired difference of a signal with itself is exactly 0.
+    same = cluster_bootstrap_auc(s, y, np.arange(600) % 50, scores_b=s, n_boot=50)
+    assert same.estimate == 0.0 and same.ci_low == 0.0 and same.ci_high == 0.0
+    assert "cluster-bootstrap" in boot.summary()
