@@ -26,7 +26,7 @@ import torch
 from capture.attention import CAPTURE_ATTN
 from capture.generate import greedy_generate
 from capture.models import load_model, o_proj_weights, set_attention
-from capture.runner import CaptureConfig, _eos_ids, capture_prompt, model_meta
+from capture.runner import CaptureConfig, capture_prompt, eos_token_ids, model_meta
 from capture.tasks import build_prompt, instance_seed
 from tracesim.store import TraceWriter
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_model(args.model, args.device)
     model = loaded.model
-    eos = _eos_ids(loaded)
+    eos = eos_token_ids(loaded)
     budget = args.max_new_tokens
     cfg = CaptureConfig(max_new_tokens=budget)
     o_proj_bytes = o_proj_weights(model).nbytes

@@ -50,12 +50,12 @@ def rerun_seconds(context: int, n_decode: int, runs: int, threads: int) -> tuple
     import torch
     from transformers import DynamicCache
 
-    from capture.generate import _cache_kwarg
+    from capture.generate import cache_keyword
     from capture.models import load_model
 
     torch.set_num_threads(threads)
     model = load_model("smollm2", attn_implementation="sdpa").model
-    kw = _cache_kwarg(model)
+    kw = cache_keyword(model)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 20000, (1, context), generator=gen)
     cache = DynamicCache(config=model.config)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from capture.generate import greedy_generate
 from capture.models import LoadedModel, load_model
-from capture.runner import _eos_ids
+from capture.runner import eos_token_ids
 from capture.tasks import TASKS, build_prompt, grade, instance_seed
 
 
@@ -27,7 +27,7 @@ def evaluate(
     verbose: bool = False,
 ) -> dict[tuple[str, int], list[bool]]:
     """Greedy full-cache correctness per ``(task, length)``, on the instances a capture uses."""
-    eos = _eos_ids(loaded)
+    eos = eos_token_ids(loaded)
     results: dict[tuple[str, int], list[bool]] = {}
     for length in lengths:
         for task in tasks:

@@ -25,7 +25,7 @@ import torch
 
 from capture.attention import CaptureState, attention_modules, recording
 from capture.enforce import EvictionState, LayerPlan
-from capture.generate import _cache_kwarg, _forward, decode_greedy
+from capture.generate import decode_greedy, prefill
 from capture.prn_torch import permanent_uniforms_torch
 from capture.runner import query_roles
 from capture.tasks import grade
@@ -74,20 +74,11 @@ def prefill_sequence(
     the same under every configuration: compression happens after prefill) and one float64
     :class:`LayerTrace` per layer over the prompt positions.
     """
-    from transformers import DynamicCache
-
     P = len(prompt_ids)
     positions, roles = query_roles(P, question_start, P, window, False)
     state = CaptureState(P, positions)
-    cache = DynamicCache(config=model.config)
-    cache_kw = _cache_kwarg(model)
-    device = next(model.parameters()).device
-    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-    logits = None
     with recording(model, state):
-        for start in range(0, P, prefill_chunk):
-            logits = _forward(model, prompt[start:start + prefill_chunk], start, cache, cache_kw,
-                              state)
+        cache, logits = prefill(model, prompt_ids, state=state, prefill_chunk=prefill_chunk)
     traces = []
     for layer, arrays in enumerate(state.finalize()):
         if arrays.positions.tolist() != positions:

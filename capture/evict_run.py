@@ -76,7 +76,7 @@ def run_evict(
 
     from capture.evict import decode_policy, layer_plans, outcome_row, prefill_sequence
     from capture.models import LoadedModel, load_model, model_info
-    from capture.runner import _eos_ids
+    from capture.runner import eos_token_ids
     from tracesim.store import open_store
 
     store = open_store(store_path)
@@ -96,7 +96,7 @@ def run_evict(
     parts.mkdir(parents=True, exist_ok=True)
     for stale in parts.glob("*.tmp"):
         stale.unlink()
-    eos = set(_eos_ids(loaded))
+    eos = set(eos_token_ids(loaded))
     runs = [(p, s) for p in policies for s in (seed_list if p.needs_seeds else [-1])]
     start = time.time()
     done = skipped = 0

@@ -41,13 +41,15 @@ class Generation:
     stopped_on_eos: bool
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
+def cache_keyword(model: torch.nn.Module) -> str:
+    """Name of the model's cache keyword argument (``cache`` or ``past_key_values``)."""
     # transformers 5.24 renamed ``past_key_values`` to ``cache``; older 5.x only know the former.
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _forward(model, ids: torch.Tensor, start: int, cache, cache_kw: str, state) -> torch.Tensor:
+def forward_tokens(model, ids: torch.Tensor, start: int, cache, cache_kw: str,
+                   state) -> torch.Tensor:
     """Feed ``ids`` (``(n,)``) at positions ``start..start+n-1``; return last-position logits."""
     stop = start + ids.numel()
     if state is not None:
@@ -99,19 +101,45 @@ def greedy_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if len(prompt_ids) == 0:
         raise ValueError("empty prompt")
-    device = next(model.parameters()).device
     eos = {int(t) for t in eos_ids}
-    cache = DynamicCache(config=model.config)
-    cache_kw = _cache_kwarg(model)
-    prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
-    logits = None
-    for start in range(0, prompt.numel(), prefill_chunk):
-        chunk = prompt[start : start + prefill_chunk]
-        logits = _forward(model, chunk, start, cache, cache_kw, state)
-    generated, logprobs = decode_greedy(model, cache, logits, prompt.numel(), max_new_tokens,
+    cache, logits = prefill(model, prompt_ids, state=state, prefill_chunk=prefill_chunk)
+    generated, logprobs = decode_greedy(model, cache, logits, len(prompt_ids), max_new_tokens,
                                         eos, state=state)
     fed = [int(t) for t in prompt_ids] + generated[:-1]
     return Generation(fed, generated, logprobs, bool(generated[-1] in eos))
+
+
+def prefill(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[int],
+    *,
+    state: CaptureState | None = None,
+    prefill_chunk: int = 2048,
+) -> tuple[DynamicCache, torch.Tensor]:
+    """Feed the prompt in chunks into a new cache; return the cache and the last logits.
+
+    Parameters
+    ----------
+    prompt_ids : sequence of int, shape (prompt_length,)
+    state : CaptureState, optional
+        Told which positions each forward feeds.
+    prefill_chunk : int
+        Prompt tokens per forward; bounds the ``(H, chunk, kv_len)`` attention memory.
+
+    Returns
+    -------
+    (cache, logits) : the cache holding every prompt position, and the next-token logits
+        ``(vocab,)`` at the last prompt position.
+    """
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    cache_kw = cache_keyword(model)
+    prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+    logits = None
+    for start in range(0, prompt.numel(), prefill_chunk):
+        logits = forward_tokens(model, prompt[start:start + prefill_chunk], start, cache,
+                                cache_kw, state)
+    return cache, logits
 
 
 def decode_greedy(
@@ -143,7 +171,7 @@ def decode_greedy(
     """
     eos = {int(t) for t in eos_ids}
     device = logits.device
-    cache_kw = _cache_kwarg(model)
+    cache_kw = cache_keyword(model)
     generated: list[int] = []
     logprobs: list[float] = []
     while True:
@@ -154,4 +182,4 @@ def decode_greedy(
         if token in eos or len(generated) >= max_new_tokens:
             return generated, logprobs
         ids = torch.tensor([token], dtype=torch.long, device=device)
-        logits = _forward(model, ids, start + len(generated) - 1, cache, cache_kw, state)
+        logits = forward_tokens(model, ids, start + len(generated) - 1, cache, cache_kw, state)

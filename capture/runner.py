@@ -101,7 +101,7 @@ def capture_prompt(
         record_from=p.prompt_length,
         h2o_chunk=config.h2o_chunk,
     )
-    eos = _eos_ids(loaded)
+    eos = eos_token_ids(loaded)
     budget = config.max_new_tokens or p.max_new_tokens
     with recording(model, state):
         gen = greedy_generate(
@@ -140,7 +140,8 @@ def capture_prompt(
     return row, layers
 
 
-def _eos_ids(loaded: LoadedModel) -> list[int]:
+def eos_token_ids(loaded: LoadedModel) -> list[int]:
+    """End-of-sequence token ids of a loaded model (generation config and tokenizer)."""
     ids: set[int] = set()
     for source in (getattr(loaded.model, "generation_config", None), loaded.tokenizer):
         eos = getattr(source, "eos_token_id", None)

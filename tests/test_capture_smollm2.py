@@ -7,7 +7,7 @@ import pytest
 from capture.attention import CaptureState, recording
 from capture.generate import greedy_generate
 from capture.models import SMOLLM2_ID, load_model, model_info, set_attention
-from capture.runner import _eos_ids, query_roles
+from capture.runner import eos_token_ids, query_roles
 from capture.tasks import build_prompt, grade
 from tests.test_capture_attention import check_against_hf
 
@@ -33,13 +33,13 @@ def test_smollm2_short_prompt_matches_eager(smollm2):
     positions, _ = query_roles(plen, prompt.question_start, plen, 16, False)
     state = CaptureState(plen, positions, record_from=plen)
     with recording(model, state):
-        gen = greedy_generate(model, prompt.token_ids, 8, _eos_ids(smollm2), state=state)
+        gen = greedy_generate(model, prompt.token_ids, 8, eos_token_ids(smollm2), state=state)
     layers = state.finalize()
     answer = tok.decode(gen.generated_ids, skip_special_tokens=True)
     assert grade("passkey", answer, prompt.gold), answer
     try:
         set_attention(model, "sdpa")
-        plain = greedy_generate(model, prompt.token_ids, 8, _eos_ids(smollm2))
+        plain = greedy_generate(model, prompt.token_ids, 8, eos_token_ids(smollm2))
         assert plain.generated_ids == gen.generated_ids
         # 30 fp32 layers: end-to-end drift between SDPA and eager reaches ~3e-6 relative.
         check_against_hf(model, prompt.token_ids, gen, layers, len(gen.generated_ids), 1e-5)

@@ -169,7 +169,7 @@ def test_decode_schedule_replans_like_the_simulator(tiny_store, score, design):
     """Each event re-plans from what exists then. Layer 0's queries, keys and values depend only
     on the tokens, so while the evicted run repeats the full-cache tokens its events must keep
     exactly what the replay engine keeps on the stored trace."""
-    from tracesim.replay.inclusion import _slot_events
+    from tracesim.replay.inclusion import slot_events
 
     store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
     policy = make_policy(score, design, 0.6, schedule="decode:2", score_params={"window": 8})
@@ -184,7 +184,7 @@ def test_decode_schedule_replans_like_the_simulator(tiny_store, score, design):
         assert (b[1].pi[:, :t0] <= a[1].pi + 1e-12).all()
     trace = load_layer(store, seq, 0)
     qpos = trace.query_positions[trace.query_positions >= P]
-    pi_sim, taus, _ = _slot_events(trace, policy, 3, store.model.n_layers, qpos)
+    pi_sim, taus, _ = slot_events(trace, policy, 3, store.model.n_layers, qpos)
     full = list(meta["generated_ids"])
     checked = 0
     for tau, plans in res.history:

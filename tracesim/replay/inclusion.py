@@ -17,7 +17,8 @@ from tracesim.policies import LayerTrace, Policy
 from tracesim.prn import permanent_uniforms
 from tracesim.schedules import event_of_queries, nested_inclusion
 
-__all__ = ["InclusionTables", "build_inclusion", "head_inclusion", "seed_uniforms"]
+__all__ = ["InclusionTables", "build_inclusion", "fixed_kept", "head_inclusion", "seed_uniforms",
+           "slot_events"]
 
 
 def _usable_scores(x: np.ndarray, n: int) -> np.ndarray:
@@ -140,9 +141,11 @@ class InclusionTables:
         return out
 
 
-def _slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: int,
+def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: int,
                  qpos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(pi (E, n_kv, P), tau (E,), budget tokens (E, n_kv)) of one slot."""
+    """Inclusion probabilities of every event of one slot (policy, and seed if the score is
+    random): ``(pi (E, n_kv, P), tau (E,), budget tokens (E, n_kv))``, ``pi`` nested (running
+    minimum over events)."""
     n_kv, P = trace.n_kv_heads, trace.n_positions
     score = policy.score
     if not score.evicts:
@@ -205,7 +208,7 @@ def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray
         per_seed_slot = policy.score.evicts and policy.score.seed_dependent
         slot_of_seed: dict[int, int] = {}
         for si in (seed_idx if per_seed_slot else [None]):
-            pi, tau, bud = _slot_events(trace, policy, None if si is None else int(seeds[si]),
+            pi, tau, bud = slot_events(trace, policy, None if si is None else int(seeds[si]),
                                         n_layers, query_positions)
             ev = event_of_queries(tau, query_positions)
             for e in range(tau.size):
@@ -223,7 +226,7 @@ def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray
             kslot = -1
             if policy.design is not None and policy.design.variance == "fixed":
                 kslot = len(kmasks)
-                kmasks.append(_fixed_kept(policy.design, pis[slot][0], uniforms[si]))
+                kmasks.append(fixed_kept(policy.design, pis[slot][0], uniforms[si]))
             it_cfg.append(c)
             it_seed.append(si)
             it_slot.append(slot)
@@ -242,7 +245,7 @@ def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray
     )
 
 
-def _fixed_kept(design: Design, pi: np.ndarray, u: np.ndarray) -> np.ndarray:
+def fixed_kept(design: Design, pi: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Kept mask (n_kv, P) of a fixed-size design: take-all plus the order sample of the tail."""
     kept = np.zeros(pi.shape, dtype=np.uint8)
     for g in range(pi.shape[0]):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from tracesim.policies import LayerTrace, Policy
-from tracesim.replay.inclusion import _fixed_kept, _slot_events, seed_uniforms
+from tracesim.replay.inclusion import fixed_kept, seed_uniforms, slot_events
 
 __all__ = ["event_inclusion", "first_event_inclusion"]
 
@@ -41,13 +41,13 @@ def first_event_inclusion(
         fixed-size designs.
     """
     qpos = np.array([trace.n_positions - 1], dtype=np.int64)
-    pi_events, _, _ = _slot_events(trace, policy, int(seed), n_layers, qpos)
+    pi_events, _, _ = slot_events(trace, policy, int(seed), n_layers, qpos)
     pi = np.ascontiguousarray(pi_events[0])
     if uniforms is None:
         uniforms = seed_uniforms(np.array([seed]), trace.layer, trace.n_kv_heads,
                                  trace.n_positions)[0]
     if policy.design is not None and policy.design.variance == "fixed":
-        kept = _fixed_kept(policy.design, pi, uniforms).astype(bool)
+        kept = fixed_kept(policy.design, pi, uniforms).astype(bool)
     else:
         kept = uniforms < pi
     return pi, kept
@@ -74,7 +74,7 @@ def event_inclusion(
     """
     if policy.design is not None and policy.design.variance == "fixed":
         raise ValueError("fixed-size designs support only the one-shot schedule")
-    pi_events, taus, _ = _slot_events(trace, policy, int(seed), n_layers,
+    pi_events, taus, _ = slot_events(trace, policy, int(seed), n_layers,
                                       np.array([int(tau)], dtype=np.int64))
     e = int(np.searchsorted(taus, int(tau), side="right") - 1)
     pi = np.ascontiguousarray(pi_events[max(e, 0)])
