@@ -74,6 +74,9 @@ def evict_grid(scale: DemoScale) -> dict[str, Any]:
     return {"grid": [{"score": ["snapkv"], "design": ["topk", "poisson"],
                       "budget": [b for b in scale.budgets if b >= 0.25],
                       "design_params": {"poisson": {"mixture": 0.1}}},
+                     # decode-time eviction, re-planned every 4 generated tokens
+                     {"score": ["h2o"], "design": ["poisson"], "budget": [0.5],
+                      "schedule": ["decode:4"], "design_params": {"poisson": {"mixture": 0.1}}},
                      {"score": ["full"]}],
             "seeds": scale.evict_seeds}
 
