@@ -313,3 +313,15 @@ def test_spec_grid_and_cli_take_summary_page(tmp_path, capsys):
                     "summary_page": [8, -1]})
     code = main(["replay", str(SAMPLE), "--summary-page", "-4", "--out", str(tmp_path)])
     assert code == 2 and "--summary-page -4" in capsys.readouterr().err
+
+
+def test_impossibility_demo_reports_a_growing_bound():
+    from tracesim.adversary import impossibility_demo
+
+    table = impossibility_demo(synthetic_trace(8), score="snapkv", budget=0.3, head=1, seeds=4,
+                               grid=(0.0, 10.0, 1000.0), score_params={"window": 8},
+                               summary_page=8)
+    rows = table.to_pylist()
+    assert all(r["topk_identical"] for r in rows)
+    assert all(r["topk_bound2"] >= r["topk_err2"] for r in rows)
+    assert rows[2]["topk_bound2"] > 1e3 * rows[1]["topk_bound2"] > 1e3 * rows[0]["topk_bound2"]
