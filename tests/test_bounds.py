@@ -130,8 +130,11 @@ def test_bound_holds_on_adversarial_heads(kind):
         s = build_page_summaries(keys, values, ~kept, page)
         o = _attention(q, keys, values, 1.0)
         ests = [None, values[kept].mean(0) if kept.any() else values[0], np.zeros(8)]
+        o_r = _attention(q, keys[kept], values[kept], 1.0) if kept.any() else None
         for est in ests:
             res = attention_error_bound(q, keys, values, kept, s, 1.0, estimate=est)
+            if est is None and o_r is not None:  # o_R itself must be right, not just consistent
+                np.testing.assert_allclose(res.kept_average, o_r, rtol=1e-9, atol=1e-12)
             o_hat = res.kept_average if est is None else est
             assert np.linalg.norm(o_hat - o) <= res.bound, (kind, trial, page)
             true_mass = _missing_mass(q, keys, kept)
