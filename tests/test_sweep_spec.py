@@ -232,3 +232,14 @@ def test_bad_score_and_design_options_name_the_field(params, where, words):
         parse_grid(grid, where="spec.yaml: grid")
     msg = str(err.value)
     assert msg.startswith(f"spec.yaml: {where}:") and words in msg, msg
+
+
+def test_oracle_on_a_store_without_decode_queries_is_refused(tmp_path):
+    build_sweep_store(tmp_path / "store", n_seqs=1, P=60, prompt=60)
+    doc = {"store": "store", "grid": {"score": "oracle", "design": "poisson", "budget": 0.5}}
+    with pytest.raises(SpecError, match=r"spec.yaml: grid.score: 'oracle' scores with the "
+                                        r"decode queries, and sequence 's0'"):
+        parse_spec(doc, source="spec.yaml", base_dir=tmp_path)
+    doc["grid"]["score"] = "snapkv"
+    doc["grid"]["score_params"] = {"snapkv": {"window": 6}}
+    assert parse_spec(doc, source="spec.yaml", base_dir=tmp_path).policies
