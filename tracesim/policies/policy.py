@@ -20,7 +20,7 @@ CORRECTIONS = ("none", "hajek")
 POLICY_COLUMNS = (
     "config_id", "score", "design", "correction", "budget", "budget_unit", "allocator",
     "alpha", "beta", "schedule", "every", "sinks", "window", "top_fraction", "mixture",
-    "floor", "design_kind", "score_params", "certified", "summary_page",
+    "floor", "design_kind", "score_params", "certified", "summary_page", "deployable",
 )
 
 
@@ -144,6 +144,7 @@ class Policy:
             "score_params": self.score.specific_params_json(),
             "certified": self.certified,
             "summary_page": int(self.summary_page),
+            "deployable": bool(self.score.deployable),
         }
 
     def to_json(self) -> str:
