@@ -144,5 +144,8 @@ def test_five_prompts_capture_validate_replay_report(tmp_path, capsys):
     table = pq.read_table(next(results.rglob("*.parquet"))).to_pandas()
     assert set(table["layer"]) == {0, 1, 2} and set(table["head"]) == {0, 1, 2}
     assert set(table["sequence_id"]) == set(rows)
+    # An ungraded prompt stays null in the results, never a made-up False.
+    assert table.loc[table["sequence_id"] == "open", "correct"].isna().all()
+    assert table.loc[table["sequence_id"] != "open", "correct"].notna().all()
     assert main(["report", str(results), "--out", str(tmp_path / "report")]) == 0
     assert (tmp_path / "report" / "report.html").is_file()
