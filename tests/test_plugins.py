@@ -195,3 +195,29 @@ def test_compression_ratio_and_aliases_in_specs(store, tmp_path):
     with pytest.raises(SpecError, match=r"compression_ratio: compression_ratio = 1.0"):
         parse_spec(doc)
     assert load_spec  # the YAML path goes through the same parser
+
+
+def test_decorator_design_equals_the_builtin_it_mimics(store):
+    from tracesim.designs import DESIGN_REGISTRY, Design
+    from tracesim.plugins import register_design
+    from tracesim.sweep import parse_grid
+
+    @register_design
+    @dataclass(frozen=True)
+    class Flat(Design):
+        name: ClassVar[str] = "test_flat"
+
+        def inclusion_probabilities(self, scores, n):
+            return np.full(len(scores), n / len(scores))
+
+    try:
+        grid = {"score": "snapkv", "design": ["test_flat", "bernoulli"], "budget": 0.4}
+        mine, ref = parse_grid(grid)
+        a = replay(open_store(store), [mine], seeds=3, progress=False).to_pandas()
+        b = replay(open_store(store), [ref], seeds=3, progress=False).to_pandas()
+        cols = [c for c in a.columns if c not in ("config_id", "design")]
+        pd.testing.assert_frame_equal(a[cols], b[cols], check_exact=True)
+        assert plugin_provenance([mine])[0]["kind"] == "design"
+    finally:
+        DESIGN_REGISTRY.registered.pop("test_flat", None)
+        DESIGN_REGISTRY.loaded_hash.pop("test_flat", None)
