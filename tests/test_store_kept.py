@@ -17,13 +17,14 @@ def test_kept_entry_round_trip_and_validation(tmp_path):
     store = build_sweep_store(tmp_path / "s", n_seqs=1, n_layers=2)
     doc = json.loads((store / "model.json").read_text())
     assert "kept" not in doc and open_store(store).kept["layers"] == [0, 1]
+    assert not open_store(store).is_subset
     # Describe the 2-layer, 2-KV-head store as layers 3 and 7, KV heads 0 and 2 of a bigger model.
     good = kept_entry([3, 7], [0, 2], 12, 6, 3)
     assert good["heads"] == [0, 1, 4, 5]
     (store / "model.json").write_text(json.dumps({**doc, "kept": good}))
     assert validate_store(store, check_data=False) == []
     s = open_store(store)
-    assert s.kept["layers"] == [3, 7]
+    assert s.kept["layers"] == [3, 7] and s.is_subset
     table = replay(s, [make_policy("keydiff", "poisson", 0.5)], seeds=2, progress=False)
     assert set(table.column("layer").to_pylist()) == {0, 1}
     bad = {**good, "layers": [7, 3]}

@@ -208,6 +208,11 @@ class TraceStore:
                 "model_n_heads": m.n_heads, "model_n_kv_heads": m.n_kv_heads}
 
     @property
+    def is_subset(self) -> bool:
+        """Whether the store holds only some of the model's layers / KV heads."""
+        return self._model_json.get("kept") is not None
+
+    @property
     def has_o_proj(self) -> bool:
         """Whether the o_proj weights are stored."""
         return self._model_json.get("o_proj") is not None
