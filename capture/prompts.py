@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ class PromptError(ValueError):
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """One validated line of a prompts file."""
+    """One validated line of a prompts file (``line`` is its 1-based line number)."""
 
     id: str
     line: int
@@ -58,7 +58,6 @@ class PromptSpec:
     grader: str | None = None
     task: str = "custom"
     max_new_tokens: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _check_line(obj: Any, where: str) -> PromptSpec:
