@@ -109,6 +109,8 @@ class CaptureState:
         Number of queries per chunk when accumulating H2O statistics.
     bias_fn : BiasFn, optional
         Enforcement hook, see the module docstring. ``None`` means full-cache attention.
+    layers : iterable of int, optional
+        Record only these layers (default every layer); the others run untouched.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class CaptureState:
         record_from: int | None = None,
         h2o_chunk: int = 256,
         bias_fn: BiasFn | None = None,
+        layers: Iterable[int] | None = None,
     ) -> None:
         if prompt_length < 1:
             raise ValueError(f"prompt_length must be >= 1, got {prompt_length}")
@@ -130,6 +133,7 @@ class CaptureState:
         self._record_set = torch.tensor(wanted, dtype=torch.long)
         self.h2o_chunk = int(h2o_chunk)
         self.bias_fn = bias_fn
+        self.only_layers = None if layers is None else frozenset(int(x) for x in layers)
         self.layers: dict[int, LayerRecord] = {}
         # Positions the caller is about to feed, [start, stop); checked against the cache so that a
         # cache that drops tokens (sliding windows) cannot silently produce a wrong trace.
@@ -169,6 +173,8 @@ class CaptureState:
         """
         if query.shape[0] != 1:
             raise ValueError(f"capture records batch size 1, got {query.shape[0]}")
+        if self.only_layers is not None and layer not in self.only_layers:
+            return
         q_len, kv_len = query.shape[2], key.shape[2]
         if self.step is not None and self.step != (kv_len - q_len, kv_len):
             raise RuntimeError(

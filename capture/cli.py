@@ -16,9 +16,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "capture",
         help="record attention traces of a model on generated long-context tasks",
-        description="Run generated RULER-style tasks through a Hugging Face causal LM with the "
-        "recording attention hook and write a trace store. Resumable: sequences already in the "
-        "store are skipped.",
+        description="Run generated RULER-style tasks, or your own prompts (--prompts), "
+        "through a Hugging Face causal LM with the recording attention hook and write a trace "
+        "store. Resumable: sequences already in the store are skipped.",
+        epilog="example: tracesim capture --prompts my.jsonl --out traces/mine "
+        "--layers 0-3 --heads 0 (see docs/capture.md)",
     )
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default) or a local transformers checkpoint directory")
@@ -28,6 +30,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--length", type=int, default=1024,
                    help="target prompt length in tokens (default 1024)")
     p.add_argument("--out", required=True, help="trace store directory (created or resumed)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="capture your own prompts instead of generated tasks: one JSON object "
+                   "per line with id, prompt or messages, optional question, answer, grader "
+                   "(exact|contains|regex), task, max_new_tokens (docs/capture.md); the whole "
+                   "file is validated first (default: none)")
+    p.add_argument("--layers", default=None, metavar="LIST",
+                   help="model layers to store, e.g. '0,4,8-11' (default: all)")
+    p.add_argument("--heads", default=None, metavar="LIST",
+                   help="KV heads to store, e.g. '0-1'; each keeps its GQA group of query "
+                   "heads (default: all)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="tokenize the plain prompt text, without the tokenizer's chat template "
+                   "(default: use the template if the tokenizer has one)")
     p.add_argument("--dtype", choices=("float16", "float32"), default="float16",
                    help="storage dtype of tensors (default float16; float32 for exact replay)")
     p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16", "float16"),
@@ -48,8 +63,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def parse_indices(text: str | None, option: str) -> list[int] | None:
+    """``"0,4,8-11"`` -> ``[0, 4, 8, 9, 10, 11]``; None stays None.
+
+    Raises
+    ------
+    ValueError
+        Naming ``option`` and the expected form.
+    """
+    if text is None:
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        a, sep, b = part.strip().partition("-")
+        try:
+            lo = int(a)
+            hi = int(b) if sep else lo
+        except ValueError:
+            raise ValueError(f"{option} {text!r}: expected comma-separated indices or ranges "
+                             "like '0,4,8-11'") from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"{option} {text!r}: range {part.strip()!r} is empty or negative")
+        out.extend(range(lo, hi + 1))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute ``tracesim capture``; returns the exit code."""
+    try:
+        args.layer_list = parse_indices(args.layers, "--layers")
+        args.head_list = parse_indices(args.heads, "--heads")
+    except ValueError as exc:
+        print(f"tracesim capture: {exc}")
+        return 2
+    args.prompt_specs = None
+    if args.prompts is not None:
+        from capture.prompts import PromptError, load_prompts
+
+        try:
+            args.prompt_specs = load_prompts(args.prompts)
+        except PromptError as exc:
+            print(f"tracesim capture: {exc}")
+            return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in _TASKS]
     if unknown or not tasks:
@@ -105,4 +160,8 @@ def _run(args: argparse.Namespace, tasks: list[str], device: str, compute: str |
         ),
         store_o_proj=not args.no_o_proj,
         progress=not args.quiet,
+        prompts=args.prompt_specs,
+        layers=args.layer_list,
+        kv_heads=args.head_list,
+        chat_template=not args.no_chat_template,
     )

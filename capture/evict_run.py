@@ -80,6 +80,10 @@ def run_evict(
     from tracesim.store import open_store
 
     store = open_store(store_path)
+    if store.is_subset:
+        raise ValueError(f"{store_path}: the store holds a subset of the model's layers/heads "
+                         "(model.json field 'kept'); in-loop eviction needs a store of the "
+                         "whole model")
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device)
     info = model_info(loaded.model)
     for key in ("n_layers", "n_heads", "n_kv_heads", "head_dim"):

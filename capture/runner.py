@@ -17,6 +17,7 @@ import numpy as np
 from capture.attention import CaptureState, LayerArrays, recording
 from capture.generate import greedy_generate
 from capture.models import LoadedModel, load_model, model_info, o_proj_weights
+from capture.prompts import PromptSpec, grade_answer, render_prompt
 from capture.tasks import TASKS, TaskPrompt, build_prompt, grade, instance_seed
 
 #: Query roles in precedence order (a position in several windows takes the first).
@@ -77,9 +78,10 @@ def sequence_id(task: str, length: int, seed: int, index: int) -> str:
 
 
 def capture_prompt(
-    loaded: LoadedModel, prompt: TaskPrompt, config: CaptureConfig = CaptureConfig()
+    loaded: LoadedModel, prompt: TaskPrompt, config: CaptureConfig = CaptureConfig(),
+    layers: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], list[LayerArrays]]:
-    """Run one prompt with recording.
+    """Run one prompt with recording (of every layer, or of ``layers`` only).
 
     Returns
     -------
@@ -100,6 +102,7 @@ def capture_prompt(
         record_all=config.all_positions,
         record_from=p.prompt_length,
         h2o_chunk=config.h2o_chunk,
+        layers=layers,
     )
     eos = eos_token_ids(loaded)
     budget = config.max_new_tokens or p.max_new_tokens
@@ -117,6 +120,12 @@ def capture_prompt(
             raise RuntimeError(f"layer {layer} recorded positions that disagree with the plan")
     answer_ids = gen.generated_ids[:-1] if gen.stopped_on_eos else gen.generated_ids
     answer = tok.decode(answer_ids, skip_special_tokens=True) if tok is not None else ""
+    gold: str | None = p.gold
+    if "grader" in p.meta:  # a prompt of the user's own (capture.prompts)
+        gold = p.gold if p.meta.get("has_answer") else None
+        correct = grade_answer(p.meta["grader"], answer, gold)
+    else:
+        correct = grade(p.task, answer, p.gold)
     row = dict(
         task=p.task,
         seed=p.seed,
@@ -130,8 +139,8 @@ def capture_prompt(
         generated_ids=gen.generated_ids,
         generated_logprobs=gen.logprobs,
         answer=answer,
-        gold=p.gold,
-        correct=grade(p.task, answer, p.gold),
+        gold=gold,
+        correct=correct,
         query_positions=positions,
         query_roles=roles,
         n_positions=n_positions,
@@ -155,6 +164,56 @@ def model_meta(loaded: LoadedModel, storage_dtype: str) -> Any:
     from tracesim.store import ModelMeta
 
     return ModelMeta(model_id=loaded.model_id, dtype=storage_dtype, **model_info(loaded.model))
+
+
+@dataclass(frozen=True)
+class Subset:
+    """Which layers and KV heads a capture stores (each KV head with its GQA group).
+
+    Attributes
+    ----------
+    layers, kv_heads, heads : list of int
+        Model indices, increasing; ``heads`` are the query heads of ``kv_heads``.
+    meta : ModelMeta
+        The stored shape (``n_layers = len(layers)`` etc.).
+    kept : dict or None
+        ``model.json``'s ``kept`` entry; None when everything is kept.
+    """
+
+    layers: list[int]
+    kv_heads: list[int]
+    heads: list[int]
+    meta: Any
+    kept: dict[str, Any] | None
+
+
+def model_subset(loaded: LoadedModel, storage_dtype: str, layers: Sequence[int] | None = None,
+                 kv_heads: Sequence[int] | None = None) -> Subset:
+    """Validate a layer / KV-head subset against the model and build the stored shape.
+
+    Raises
+    ------
+    ValueError
+        Naming the option and the valid range when an index is out of range or repeated.
+    """
+    from tracesim.store import ModelMeta
+    from tracesim.store.format import kept_entry
+
+    info = model_info(loaded.model)
+    L, H, K = info["n_layers"], info["n_heads"], info["n_kv_heads"]
+    chosen = []
+    for opt, given, n in (("--layers", layers, L), ("--heads", kv_heads, K)):
+        idx = list(range(n)) if given is None else [int(x) for x in given]
+        if not idx or len(set(idx)) != len(idx) or min(idx) < 0 or max(idx) >= n:
+            raise ValueError(f"{opt} is {given}, expected distinct indices in [0, {n})")
+        chosen.append(sorted(idx))
+    lay, kvh = chosen
+    kept = kept_entry(lay, kvh, L, H, K)
+    full = lay == list(range(L)) and kvh == list(range(K))
+    meta = ModelMeta(model_id=loaded.model_id, dtype=storage_dtype,
+                     **{**info, "n_layers": len(lay), "n_kv_heads": len(kvh),
+                        "n_heads": len(kept["heads"])})
+    return Subset(lay, kvh, kept["heads"], meta, None if full else kept)
 
 
 @dataclass
@@ -182,15 +241,20 @@ def run_capture(
     store_o_proj: bool = True,
     progress: bool = True,
     on_sequence: Callable[[str, dict[str, Any]], None] | None = None,
+    prompts: Sequence[PromptSpec] | None = None,
+    layers: Sequence[int] | None = None,
+    kv_heads: Sequence[int] | None = None,
+    chat_template: bool = True,
 ) -> CaptureSummary:
-    """Capture ``n`` instances of each task into the trace store at ``out`` (resumable).
+    """Capture ``n`` instances of each task, or your own ``prompts``, into the trace store at
+    ``out`` (resumable).
 
     Parameters
     ----------
     model : str or LoadedModel
         ``"smollm2"``, a local checkpoint directory, or an already loaded model.
     tasks : sequence of str
-        Task names from :data:`capture.tasks.TASKS`.
+        Task names from :data:`capture.tasks.TASKS` (ignored with ``prompts``).
     n, length, seed : int
         Instances per task, target prompt length in tokens, and the run seed. Instance ``i`` of
         task ``t`` has id ``sequence_id(t, length, seed, i)`` and instance seed
@@ -206,50 +270,71 @@ def run_capture(
     config : CaptureConfig
         What to record.
     store_o_proj : bool
-        Store every layer's ``o_proj`` weight (float32, once per store).
+        Store every kept layer's ``o_proj`` weight (float32, once per store; the columns of the
+        kept heads).
     progress : bool
         Show a tqdm progress bar.
     on_sequence : callable, optional
         Called as ``on_sequence(sequence_id, row)`` after each sequence is committed.
+    prompts : sequence of PromptSpec, optional
+        Validated lines of a prompts file (:func:`capture.prompts.load_prompts`); their ``id``
+        is the sequence id. Every prompt is rendered before the store is opened.
+    layers, kv_heads : sequence of int, optional
+        Model layers / KV heads to store (default all); each KV head brings its GQA group of
+        query heads. ``model.json`` records the subset (field ``kept``).
+    chat_template : bool
+        Render prompts with the tokenizer's chat template (if it has one).
     """
     from tqdm.auto import tqdm
 
     from tracesim.store import TraceWriter
 
     unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
+    if unknown and prompts is None:
         raise ValueError(f"unknown task(s) {unknown}; expected some of {TASKS}")
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device, compute_dtype)
-    for task in tasks:
-        # Fail before writing anything if a task does not fit the length.
-        build_prompt(loaded.tokenizer, task, length, instance_seed(task, length, seed, 0), depth)
-    o_proj = o_proj_weights(loaded.model) if store_o_proj else None
-    plan = [(t, i) for t in tasks for i in range(n)]
-    summary = CaptureSummary([], [], {t: [] for t in tasks})
-    with TraceWriter(out, model_meta(loaded, storage_dtype), o_proj=o_proj) as writer:
+    subset = model_subset(loaded, storage_dtype, layers, kv_heads)
+    budget = config.max_new_tokens or 32
+    if prompts is not None:
+        # Render everything first: a bad prompt fails before any file is written.
+        rendered = {p.id: render_prompt(loaded.tokenizer, p, chat_template=chat_template,
+                                        max_new_tokens=budget) for p in prompts}
+        plan = [(p.id, p.task, (lambda sid=p.id: rendered[sid])) for p in prompts]
+        names = list(dict.fromkeys(p.task for p in prompts))
+    else:
+        for task in tasks:
+            # Fail before writing anything if a task does not fit the length.
+            build_prompt(loaded.tokenizer, task, length, instance_seed(task, length, seed, 0),
+                         depth, chat_template)
+        plan = [(sequence_id(t, length, seed, i), t,
+                 (lambda t=t, i=i: build_prompt(loaded.tokenizer, t, length,
+                                                instance_seed(t, length, seed, i), depth,
+                                                chat_template)))
+                for t in tasks for i in range(n)]
+        names = list(tasks)
+    o_proj = None
+    if store_o_proj:
+        W = o_proj_weights(loaded.model)[subset.layers]
+        d = subset.meta.head_dim
+        cols = [h * d + j for h in subset.heads for j in range(d)]
+        o_proj = W[:, :, cols]
+    summary = CaptureSummary([], [], {t: [] for t in names})
+    with TraceWriter(out, subset.meta, o_proj=o_proj, kept=subset.kept) as writer:
         bar = tqdm(plan, desc="capture", unit="seq", disable=not progress)
-        for task, index in bar:
-            sid = sequence_id(task, length, seed, index)
+        for sid, task, make in bar:
             if writer.has(sid):
                 summary.skipped.append(sid)
                 continue
             bar.set_postfix_str(sid)
-            prompt = build_prompt(
-                loaded.tokenizer, task, length, instance_seed(task, length, seed, index), depth
-            )
-            row, layers = capture_prompt(loaded, prompt, config)
+            row, arrays = capture_prompt(loaded, make(), config, subset.layers)
             with writer.sequence(sid, **row) as sw:
-                for layer, arrays in enumerate(layers):
-                    sw.add_layer(
-                        layer,
-                        keys=arrays.keys,
-                        values=arrays.values,
-                        queries=arrays.queries,
-                        outputs=arrays.outputs,
-                        h2o=arrays.h2o,
-                    )
+                for layer, a in enumerate(arrays):
+                    kv, q = subset.kv_heads, subset.heads
+                    sw.add_layer(layer, keys=a.keys[kv], values=a.values[kv],
+                                 queries=a.queries[q], outputs=a.outputs[q], h2o=a.h2o[q])
             summary.written.append(sid)
-            summary.correct[task].append(bool(row["correct"]))
+            if row["correct"] is not None:
+                summary.correct[task].append(bool(row["correct"]))
             if on_sequence is not None:
                 on_sequence(sid, row)
     return summary

@@ -226,10 +226,11 @@ _SPECS: dict[str, Callable[..., TaskSpec]] = {
 _CTX, _Q = "\x00CONTEXT\x00", "\x00QUESTION\x00"
 
 
-def _template_pieces(tokenizer: Any, instruction: str) -> tuple[str, str, str]:
+def _template_pieces(tokenizer: Any, instruction: str,
+                     chat_template: bool = True) -> tuple[str, str, str]:
     """Split the chat template around the context and question: (head, middle, tail)."""
     user = f"{instruction}\n\n{_CTX}\n\n{_Q}"
-    if getattr(tokenizer, "chat_template", None):
+    if chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
         )
@@ -245,7 +246,8 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def build_prompt(
-    tokenizer: Any, task: str, length: int, seed: int, depth: float | None = None, **params: Any
+    tokenizer: Any, task: str, length: int, seed: int, depth: float | None = None,
+    chat_template: bool = True, **params: Any
 ) -> TaskPrompt:
     """Generate one task instance and render it to about ``length`` prompt tokens.
 
@@ -262,6 +264,8 @@ def build_prompt(
     depth : float, optional
         Relative position of the (gold) needle in the context, in [0, 1]; drawn from the seed if
         None.
+    chat_template : bool, default True
+        Render with the tokenizer's chat template (if it has one); False uses the plain text.
     **params
         Task options (``n_keys`` for multikey, ``n_hops`` and ``n_distractors`` for vartrack).
 
@@ -277,7 +281,7 @@ def build_prompt(
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
     spec = _SPECS[task](rng, depth, **params)
-    head, middle, tail = _template_pieces(tokenizer, spec.instruction)
+    head, middle, tail = _template_pieces(tokenizer, spec.instruction, chat_template)
     head_ids, mid_ids = _encode(tokenizer, head), _encode(tokenizer, middle)
     q_ids = _encode(tokenizer, spec.question)
     tail_ids = _encode(tokenizer, tail + spec.answer_prefix)

@@ -25,6 +25,7 @@ from tracesim.designs import (
     make_design,
 )
 from tracesim.estimators import AttentionEstimate, full_attention, hajek_attention
+from tracesim.plugins import register_design, register_score
 from tracesim.prn import permanent_uniforms
 from tracesim.store import ModelMeta, TraceStore, TraceWriter, open_store, validate_store
 
@@ -49,6 +50,8 @@ __all__ = [
     "replay",
     "output_space_certificate",
     "permanent_uniforms",
+    "register_design",
+    "register_score",
     "satterthwaite_covered",
     "validate_store",
     "wald_covered",

@@ -19,10 +19,11 @@ from tracesim.designs.bernoulli import Bernoulli
 from tracesim.designs.order import OrderSampling
 from tracesim.designs.poisson import PoissonPPS, inclusion_probabilities
 from tracesim.designs.topk import TopK
-from tracesim.registry import build
+from tracesim.plugins import DESIGN_GROUP, Registry
 
 __all__ = [
     "DESIGNS",
+    "DESIGN_REGISTRY",
     "Bernoulli",
     "Design",
     "OrderSampling",
@@ -37,8 +38,10 @@ __all__ = [
 DESIGNS: dict[str, type[Design]] = {
     cls.name: cls for cls in (PoissonPPS, Bernoulli, OrderSampling, TopK)
 }
+#: Built-ins + plugins (entry points ``tracesim.designs``, decorator).
+DESIGN_REGISTRY = Registry("design", DESIGN_GROUP, DESIGNS, Design)
 
 
 def make_design(name: str, **params: Any) -> Design:
     """Build a design from its registry name and hyperparameters (e.g. from a sweep spec)."""
-    return build(DESIGNS, "design", name, params)
+    return DESIGN_REGISTRY.build(name, params)

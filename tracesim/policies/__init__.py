@@ -25,12 +25,14 @@ from typing import Any
 
 from tracesim.budgets import Budget
 from tracesim.designs import Design, make_design
+from tracesim.plugins import SCORE_GROUP, Registry
 from tracesim.policies.base import Score, take_all_mask
 from tracesim.policies.context import LayerTrace
 from tracesim.policies.full import FullScore
 from tracesim.policies.h2o import H2OScore
 from tracesim.policies.keyformer import KeyformerScore
 from tracesim.policies.knorm import KNormScore
+from tracesim.policies.kvpress import KVPRESS_ALIASES, KVPRESS_SCORES
 from tracesim.policies.oracle import OracleScore
 from tracesim.policies.policy import CORRECTIONS, POLICY_COLUMNS, Policy
 from tracesim.policies.snapkv import SnapKVScore
@@ -38,24 +40,27 @@ from tracesim.policies.streaming import StreamingScore
 from tracesim.policies.tova import TOVAScore
 from tracesim.policies.uniform import RandomScore
 from tracesim.policies.vnorm import VNormScore
-from tracesim.registry import build
 from tracesim.schedules import Schedule
 
 __all__ = [
     "CORRECTIONS", "POLICY_COLUMNS", "SCORES", "FullScore", "H2OScore", "KNormScore",
     "KeyformerScore", "LayerTrace", "OracleScore", "Policy", "RandomScore", "Score", "SnapKVScore",
     "StreamingScore", "TOVAScore", "VNormScore", "make_policy", "make_score", "policy_grid",
-    "take_all_mask",
+    "take_all_mask", "SCORE_REGISTRY",
 ]
 
 SCORES: dict[str, type[Score]] = {cls.name: cls for cls in (
     StreamingScore, H2OScore, SnapKVScore, TOVAScore, KNormScore, VNormScore, KeyformerScore,
     RandomScore, OracleScore, FullScore)}
+SCORES.update(KVPRESS_SCORES)
+#: Built-ins + kvpress aliases + plugins (entry points ``tracesim.scores``, decorator).
+SCORE_REGISTRY = Registry("score", SCORE_GROUP, SCORES, Score)
+SCORE_REGISTRY.aliases.update(KVPRESS_ALIASES)
 
 
 def make_score(name: str, **params: Any) -> Score:
-    """Build a score from its registry name and hyperparameters."""
-    return build(SCORES, "score", name, params)
+    """Build a score from its registry name (or a kvpress alias, or a plugin's name)."""
+    return SCORE_REGISTRY.build(name, params)
 
 
 def make_policy(

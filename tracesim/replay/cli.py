@@ -100,11 +100,11 @@ def summary_table(table: pa.Table) -> str:
 
 def build_policies(args: argparse.Namespace) -> list:
     """The grid the arguments describe."""
-    from tracesim.policies import SCORES, policy_grid
+    from tracesim.policies import policy_grid
 
     score_params = {}
     if args.window is not None:
-        score_params = {s: {"window": args.window} for s in SCORES if s != "full"}
+        score_params = {s: {"window": args.window} for s in args.score if s != "full"}
     common = {}
     if args.mixture is not None:
         common["mixture"] = args.mixture

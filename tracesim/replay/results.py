@@ -156,7 +156,8 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
     n_total = sum(a.size for a in cols["head"])
     meta = tr.meta
     const = {"sequence_id": tr.sequence_id, "task": str(meta.get("task", "")),
-             "correct": bool(meta.get("correct", False)), "layer": tr.layer,
+             "correct": None if meta.get("correct") is None else bool(meta["correct"]),
+             "layer": tr.layer,
              "prompt_length": tr.prompt_length, "n_positions": tr.n_positions}
     arrays = []
     for name, typ in RESULT_COLUMNS.items():

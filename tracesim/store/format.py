@@ -230,10 +230,60 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 # --------------------------------------------------------------------------- model.json
 
 
-def model_json_bytes(model: ModelMeta, o_proj: dict[str, Any] | None) -> bytes:
-    """Serialized ``model.json``: the ModelMeta fields, schema version and the o_proj entry."""
+def kept_entry(layers: list[int], kv_heads: list[int], model_n_layers: int,
+               model_n_heads: int, model_n_kv_heads: int) -> dict[str, Any]:
+    """The ``kept`` entry of ``model.json`` for a store holding a subset of layers / KV heads.
+
+    ``layers[i]`` is the model layer stored as layer ``i``; ``kv_heads[g]`` the model KV head
+    stored as KV head ``g`` (with its whole GQA group of query heads, listed in ``heads``).
+    """
+    group = model_n_heads // model_n_kv_heads
+    return {"layers": [int(x) for x in layers], "kv_heads": [int(x) for x in kv_heads],
+            "heads": [g * group + j for g in kv_heads for j in range(group)],
+            "model_n_layers": int(model_n_layers), "model_n_heads": int(model_n_heads),
+            "model_n_kv_heads": int(model_n_kv_heads)}
+
+
+def check_kept(kept: Any, model: ModelMeta) -> list[str]:
+    """Problems of a ``kept`` entry against the stored model shape (empty if fine or null)."""
+    if kept is None:
+        return []
+    label = f"{MODEL_FILE}: field 'kept'"
+    keys = ("layers", "kv_heads", "heads", "model_n_layers", "model_n_heads",
+            "model_n_kv_heads")
+    if not isinstance(kept, dict) or sorted(kept) != sorted(keys):
+        return [f"{label} is {kept!r}, expected null or an object with keys {list(keys)}"]
+    sizes = [kept[k] for k in keys[3:]]
+    if not all(_is_int(v) and v > 0 for v in sizes):
+        return [f"{label}: model_n_* are {sizes}, expected positive ints"]
+    lists = [kept[k] for k in keys[:3]]
+    if not all(isinstance(v, list) and all(_is_int(x) for x in v) for v in lists):
+        return [f"{label}: layers/kv_heads/heads must be lists of ints"]
+    try:
+        want = kept_entry(kept["layers"], kept["kv_heads"], *sizes)
+    except ZeroDivisionError:
+        return [f"{label}: model_n_kv_heads is 0, expected > 0"]
+    problems = []
+    for name, n, limit in (("layers", model.n_layers, kept["model_n_layers"]),
+                           ("kv_heads", model.n_kv_heads, kept["model_n_kv_heads"])):
+        v = kept[name]
+        if len(v) != n or v != sorted(set(v)) or (v and (v[0] < 0 or v[-1] >= limit)):
+            problems.append(f"{label}.{name} is {v}, expected {n} increasing indices in "
+                            f"[0, {limit})")
+    if kept["heads"] != want["heads"] or len(kept["heads"]) != model.n_heads:
+        problems.append(f"{label}.heads is {kept['heads']}, expected {want['heads']} "
+                        f"(the GQA groups of kv_heads, n_heads = {model.n_heads})")
+    return problems
+
+
+def model_json_bytes(model: ModelMeta, o_proj: dict[str, Any] | None,
+                     kept: dict[str, Any] | None = None) -> bytes:
+    """Serialized ``model.json``: the ModelMeta fields, schema version, the o_proj entry and,
+    for stores of a subset of layers / heads, the ``kept`` entry."""
     doc = {"format": STORE_FORMAT, "schema_version": SCHEMA_VERSION, **model.to_dict()}
     doc["o_proj"] = o_proj
+    if kept is not None:
+        doc["kept"] = kept
     return (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode()
 
 
@@ -269,7 +319,7 @@ def parse_model_json(root: Path) -> tuple[ModelMeta | None, dict[str, Any], list
         model = ModelMeta.from_dict(raw)
     except StoreError as exc:
         return None, raw, [*problems, str(exc)]
-    return model, raw, problems
+    return model, raw, problems + check_kept(raw.get("kept"), model)
 
 
 def read_model_json(root: Path) -> tuple[ModelMeta, dict[str, Any]]:

@@ -48,7 +48,10 @@ FIELDS: tuple[tuple[str, str, pa.DataType], ...] = (
     ("n_bytes", "int", pa.int64()),
 )
 KINDS = {name: kind for name, kind, _ in FIELDS}
-MANIFEST_SCHEMA = pa.schema([pa.field(n, t, nullable=False) for n, _, t in FIELDS])
+#: Fields that may be null: prompts captured without a gold answer (``tracesim capture
+#: --prompts``) have neither ``gold`` nor ``correct``.
+NULLABLE = ("gold", "correct")
+MANIFEST_SCHEMA = pa.schema([pa.field(n, t, nullable=n in NULLABLE) for n, _, t in FIELDS])
 # Fields the store derives itself; ``n_positions``/``n_query`` may also be given (then checked).
 DERIVED_FIELDS = ("model_id", "dtype", "schema_version", "file", "checksum", "n_bytes")
 INPUT_FIELDS = tuple(n for n, _, _ in FIELDS if n not in DERIVED_FIELDS and n != "sequence_id")
@@ -103,6 +106,8 @@ def coerce_field(name: str, value: Any, label: str) -> Any:
             shown = f"{type(value).__name__} {shown[:60]}..."
         return StoreError(f"{label}: field {name!r} is {shown}, expected {expected}")
 
+    if value is None and name in NULLABLE:
+        return None
     if kind == "str":
         if not isinstance(value, str):
             raise bad("a str")

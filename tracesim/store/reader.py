@@ -192,6 +192,27 @@ class TraceStore:
             yield self[sequence_id]
 
     @property
+    def kept(self) -> dict[str, Any]:
+        """Which model layers / heads the store holds (``model.json`` field ``kept``).
+
+        ``layers[i]`` is the model layer stored as layer ``i``, ``kv_heads[g]`` and
+        ``heads[h]`` the model heads stored as KV head ``g`` / query head ``h``. A store of the
+        whole model (or written before the field existed) maps every index to itself.
+        """
+        kept = self._model_json.get("kept")
+        if kept is not None:
+            return dict(kept)
+        m = self.model
+        return {"layers": list(range(m.n_layers)), "kv_heads": list(range(m.n_kv_heads)),
+                "heads": list(range(m.n_heads)), "model_n_layers": m.n_layers,
+                "model_n_heads": m.n_heads, "model_n_kv_heads": m.n_kv_heads}
+
+    @property
+    def is_subset(self) -> bool:
+        """Whether the store holds only some of the model's layers / KV heads."""
+        return self._model_json.get("kept") is not None
+
+    @property
     def has_o_proj(self) -> bool:
         """Whether the o_proj weights are stored."""
         return self._model_json.get("o_proj") is not None

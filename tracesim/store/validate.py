@@ -26,7 +26,7 @@ from .format import (
     parse_model_json,
     sha256_file,
 )
-from .manifest import check_checksum, check_row, check_schema
+from .manifest import NULLABLE, check_checksum, check_row, check_schema
 from .tensorfile import TensorFile, sequence_layout, tensor_name
 
 MAX_PROBLEMS_PER_FILE = 20
@@ -101,7 +101,7 @@ def _check_sequence(
 ) -> list[str]:
     sid = row.get("sequence_id")
     label = f"{MANIFEST_FILE}: row {i} (sequence {sid!r})"
-    nulls = [k for k, v in row.items() if v is None]
+    nulls = [k for k, v in row.items() if v is None and k not in NULLABLE]
     if nulls:
         return [f"{label}: field(s) {nulls} are null, expected values"]
     p: list[str] = []

@@ -20,6 +20,7 @@ from .format import (
     ModelMeta,
     StoreError,
     atomic_write_bytes,
+    check_kept,
     check_sequence_id,
     fsync_dir,
     model_json_bytes,
@@ -55,6 +56,10 @@ class TraceWriter:
     o_proj : numpy.ndarray, optional
         ``(n_layers, hidden_size, n_heads * head_dim)`` output-projection weights, stored once
         as float32. On resume it must equal the stored one, if any.
+    kept : dict, optional
+        For a store of a subset of the model's layers / KV heads: which were kept
+        (:func:`tracesim.store.format.kept_entry`); ``model`` then describes the stored subset.
+        On resume it must equal the stored one.
 
     Raises
     ------
@@ -69,12 +74,17 @@ class TraceWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], model: ModelMeta, o_proj: np.ndarray | None = None
+        self, path: str | os.PathLike[str], model: ModelMeta, o_proj: np.ndarray | None = None,
+        kept: dict | None = None,
     ) -> None:
         if not isinstance(model, ModelMeta):
             raise TypeError(f"model must be a ModelMeta, got {type(model).__name__}")
+        problems = check_kept(kept, model)
+        if problems:
+            raise StoreError("; ".join(problems))
         self.path = Path(path)
         self.model = model
+        self.kept = kept
         self._active: SequenceWriter | None = None
         self._lock_fd: int | None = None
         self.path.mkdir(parents=True, exist_ok=True)
@@ -166,7 +176,8 @@ class TraceWriter:
         o_proj_entry = self._write_o_proj(o_proj) if o_proj is not None else None
         write_manifest(self.path, empty_manifest())
         self._table = empty_manifest()
-        atomic_write_bytes(self.path / MODEL_FILE, model_json_bytes(self.model, o_proj_entry))
+        atomic_write_bytes(self.path / MODEL_FILE,
+                           model_json_bytes(self.model, o_proj_entry, self.kept))
         self._index_rows()
 
     def _resume(self, o_proj: np.ndarray | None) -> None:
@@ -181,6 +192,9 @@ class TraceWriter:
                 f"{self.path / MODEL_FILE}: stored model differs from the one given to "
                 f"TraceWriter: {'; '.join(diff)}"
             )
+        if raw.get("kept") != self.kept:
+            raise StoreError(f"{self.path / MODEL_FILE}: field 'kept' is {raw.get('kept')!r}, "
+                             f"expected {self.kept!r} (the same layers/heads on resume)")
         self._table = read_manifest(self.path)
         (self.path / SEQ_DIR).mkdir(exist_ok=True)
         self._index_rows()
@@ -188,7 +202,8 @@ class TraceWriter:
             return
         if raw.get("o_proj") is None:
             entry = self._write_o_proj(o_proj)
-            atomic_write_bytes(self.path / MODEL_FILE, model_json_bytes(self.model, entry))
+            atomic_write_bytes(self.path / MODEL_FILE,
+                               model_json_bytes(self.model, entry, self.kept))
             return
         new = self._check_o_proj(o_proj)
         stored_file = TensorFile(self.path / O_PROJ_FILE, O_PROJ_FILE)

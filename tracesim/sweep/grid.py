@@ -21,21 +21,25 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from tracesim.budgets import ALLOCATORS, Budget
-from tracesim.designs import DESIGNS, make_design
-from tracesim.policies import CORRECTIONS, SCORES, Policy, make_score
+from tracesim.designs import DESIGN_REGISTRY, DESIGNS, make_design
+from tracesim.policies import CORRECTIONS, SCORE_REGISTRY, SCORES, Policy, make_score
+from tracesim.policies.kvpress import budget_from_compression_ratio
 from tracesim.schedules import Schedule
 
 __all__ = ["GRID_KEYS", "GridExpansion", "SpecError", "expand_grid", "parse_grid"]
 
 #: Keys of a grid mapping -> (required, meaning).
 GRID_KEYS: dict[str, tuple[bool, str]] = {
-    "score": (True, f"scores, any of {sorted(SCORES)}"),
+    "score": (True, f"scores, any of {sorted(SCORES)}, a kvpress alias (streaming_llm, "
+                    "observed_attention, ...) or an installed plugin's name"),
     "design": (False, f"inclusion designs, any of {sorted(DESIGNS)} (required unless every "
                       "score is 'full')"),
     "correction": (False, "corrections: auto (default), none, hajek"),
     "budget": (False, "budgets: fractions of the context in (0, 1] as floats (0.25, 1.0) or "
                       "token counts as integers >= 1 (512) (required unless every score is "
                       "'full')"),
+    "compression_ratio": (False, "kvpress convention, instead of budget: fractions removed in "
+                                 "[0, 1); budget = 1 - compression_ratio"),
     "allocator": (False, f"budget allocators, any of {list(ALLOCATORS)} (default uniform)"),
     "schedule": (False, "schedules: oneshot (default), decode (every 16 steps), decode:K"),
     "score_params": (False, "per-score hyperparameters {score: {param: value or [values]}}; "
@@ -97,6 +101,20 @@ def _budget(value: Any, where: str) -> tuple[float, str]:
         raise _fail(where, f"{value} is not a fraction in (0, 1] — give token budgets as "
                            "integers >= 1")
     return float(value), "fraction"
+
+
+def _from_ratio(value: Any, where: str) -> list[float]:
+    """kvpress compression ratios -> fraction budgets ``1 - ratio`` (floats in (0, 1])."""
+    out = []
+    for i, r in enumerate(_as_list(value, where)):
+        key = f"{where}[{i}]" if isinstance(value, list) else where
+        if isinstance(r, bool) or not isinstance(r, (int, float)):
+            raise _fail(key, f"{r!r} is not a compression ratio (a number in [0, 1))")
+        try:
+            out.append(budget_from_compression_ratio(r))
+        except ValueError as exc:
+            raise _fail(key, str(exc)) from None
+    return out
 
 
 def _schedule(value: Any, where: str) -> Schedule:
@@ -203,12 +221,18 @@ def _expand_one(grid: Any, where: str) -> GridExpansion:
             raise _fail(f"{where}.{key}", f"unknown key; expected one of {sorted(GRID_KEYS)}")
     if "score" not in grid:
         raise _fail(f"{where}.score", "missing; list the scores to sweep")
-    scores = _names(grid["score"], f"{where}.score", SCORES, "score")
-    evicting = any(SCORES[s].evicts for s in scores)
+    scores = _names(grid["score"], f"{where}.score", SCORE_REGISTRY, "score")
+    evicting = any(SCORE_REGISTRY[s].evicts for s in scores)
+    if "compression_ratio" in grid:
+        if "budget" in grid:
+            raise _fail(f"{where}.compression_ratio", "give either budget or compression_ratio, "
+                                                      "not both")
+        grid = {**grid, "budget": _from_ratio(grid["compression_ratio"],
+                                              f"{where}.compression_ratio")}
     for key in ("design", "budget"):
         if evicting and key not in grid:
             raise _fail(f"{where}.{key}", f"missing; {GRID_KEYS[key][1]}")
-    designs = (_names(grid["design"], f"{where}.design", DESIGNS, "design")
+    designs = (_names(grid["design"], f"{where}.design", DESIGN_REGISTRY, "design")
                if "design" in grid else ["topk"])
     corrections = _names(grid.get("correction", "auto"), f"{where}.correction",
                          CORRECTIONS + ("auto",), "correction")
@@ -223,10 +247,10 @@ def _expand_one(grid: Any, where: str) -> GridExpansion:
                            f"{where}.schedule")
                  for i, s in enumerate(_as_list(raw_s, f"{where}.schedule"))]
     pages = _pages(grid.get("summary_page", 0), f"{where}.summary_page")
-    score_p = _section(grid, "score_params", scores, SCORES, where,
-                       lambda n: {k: t for k, t in _field_types(SCORES[n]).items()})
-    design_p = _section(grid, "design_params", designs, DESIGNS, where,
-                        lambda n: _field_types(DESIGNS[n]))
+    score_p = _section(grid, "score_params", scores, SCORE_REGISTRY, where,
+                       lambda n: {k: t for k, t in _field_types(SCORE_REGISTRY[n]).items()})
+    design_p = _section(grid, "design_params", designs, DESIGN_REGISTRY, where,
+                        lambda n: _field_types(DESIGN_REGISTRY[n]))
     alloc_types = {"alpha": "float", "beta": "float"}
     alloc_p = _section(grid, "allocator_params", allocators, {a: None for a in ALLOCATORS},
                        where, lambda n: {k: alloc_types[k] for k in _ALLOCATOR_PARAMS[n]})

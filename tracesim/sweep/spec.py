@@ -124,13 +124,19 @@ class SweepSpec:
     def result_hash(self, code: str | None = None) -> str:
         """sha256 of everything that affects result rows (not paths, partition or output):
         tracesim's version and source (``code``, default :func:`code_fingerprint` now),
-        configurations, seeds, record mode and replay options."""
+        configurations, seeds, record mode, replay options and the provenance of plugin
+        scores / designs (:func:`tracesim.plugins.plugin_provenance`)."""
         from tracesim import __version__
 
         code = code_fingerprint() if code is None else code
         doc = {"format": SWEEP_FORMAT, "version": __version__, "code": code,
                "configs": [p.to_json() for p in self.policies], "seeds": list(self.seeds),
                "record": self.record, "options": asdict(self.options)}
+        from tracesim.plugins import plugin_provenance
+
+        plugins = plugin_provenance(self.policies)
+        if plugins:  # a plugin's distribution, version and source hash (docs/extending.md)
+            doc["plugins"] = plugins
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 

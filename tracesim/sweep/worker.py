@@ -121,8 +121,17 @@ def write_configs(out_dir: Path, plan: Any, spec: Any) -> Path:
         if Policy.from_dict(doc).id != p.id:
             raise ValueError(f"policy {p.id!r} does not survive its JSON round trip")
         configs.append({"id": p.id, **doc})
+    from tracesim.plugins import in_process_only, plugin_provenance
+
+    plugins = plugin_provenance(spec.policies)
+    local = in_process_only(plugins)
+    if local:
+        raise ValueError(f"plugin(s) {local} are registered in this process only (decorator); "
+                         "sweep workers are other processes: declare them as entry points of an "
+                         "installed distribution (docs/extending.md)")
     opts = spec.options
-    doc = {"spec_hash": plan.spec_hash, "code": plan.code, "seeds": list(spec.seeds),
+    doc = {"spec_hash": plan.spec_hash, "code": plan.code, "plugins": plugins,
+           "seeds": list(spec.seeds),
            "record": spec.record,
            "options": {"alpha": opts.alpha, "output_space": opts.output_space,
                        "satterthwaite": opts.satterthwaite,
@@ -149,6 +158,7 @@ def _configs(out_dir: str, spec_hash: str):
                                "on every worker")
         policies = [Policy.from_dict({k: v for k, v in c.items() if k != "id"})
                     for c in doc["configs"]]
+        _check_plugins(policies, doc.get("plugins", []))
         o = doc["options"]
         options = ReplayOptions(alpha=o["alpha"], output_space=o["output_space"],
                                 satterthwaite=o["satterthwaite"],
@@ -156,6 +166,22 @@ def _configs(out_dir: str, spec_hash: str):
         _CONFIGS[key] = (policies, np.asarray(doc["seeds"], dtype=np.int64),
                          doc["record"] == "per_seed", options)
     return _CONFIGS[key]
+
+
+def _check_plugins(policies: list, expected: list[dict[str, str]]) -> None:
+    """Refuse to run when this worker's plugins differ from the driver's (name, version,
+    source hash)."""
+    from tracesim.plugins import plugin_provenance
+
+    mine = plugin_provenance(policies, as_loaded=True)
+    if mine != expected:
+        diff = [f"{e.get('name')}: driver {e.get('distribution')} {e.get('version')} "
+                f"{str(e.get('source_hash'))[:19]}, worker {m.get('distribution')} "
+                f"{m.get('version')} {str(m.get('source_hash'))[:19]}"
+                for e, m in zip(expected, mine, strict=False) if e != m]
+        raise RuntimeError("this worker loads different plugin code than the driver "
+                           f"({'; '.join(diff) or 'different plugin set'}); install the same "
+                           "plugin version on every worker")
 
 
 def _store(path: str):
