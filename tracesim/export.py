@@ -206,9 +206,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "directory per score/design/budget (hive partitioning) that pyarrow.dataset, DuckDB "
         "and polars read with partition pruning; 'csv' writes one file with a header row and "
         "nulls as empty fields. The output appears only once complete. See docs/export.md.",
-        epilog="example:\n  tracesim export results/ --format parquet-dataset --out "
-        "results-ds/\n  tracesim export replay-out/ --format csv --out replay-csv/",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog="examples:\n"
+        "  tracesim export sweep-out/ --format parquet-dataset --out results-ds/\n"
+        "  tracesim export replay-out/replay.parquet --format csv --out replay-csv/")
     p.add_argument("results", metavar="RESULTS",
                    help="a results .parquet file, or a sweep / replay / evict output directory")
     p.add_argument("--format", required=True, choices=FORMATS,
