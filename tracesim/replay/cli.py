@@ -103,8 +103,10 @@ def summary_table(table: pa.Table) -> str:
 
 
 def build_policies(args: argparse.Namespace) -> list:
-    """The grid the arguments describe."""
+    """The grid the arguments describe (configurations a design makes identical merged, with a
+    note on stderr)."""
     from tracesim.policies import SCORES, policy_grid
+    from tracesim.policies.equivalence import merge_score_free
 
     score_params = {}
     if args.window is not None:
@@ -113,9 +115,13 @@ def build_policies(args: argparse.Namespace) -> list:
     if args.mixture is not None:
         design_params = {"poisson": {"mixture": args.mixture},
                          "fixed": {"mixture": args.mixture}}
-    return policy_grid(args.score, args.design, args.budget, correction=args.correction,
-                       schedule=args.schedule, allocator=args.allocator,
-                       design_params=design_params, score_params=score_params)
+    policies, notes = merge_score_free(policy_grid(
+        args.score, args.design, args.budget, correction=args.correction,
+        schedule=args.schedule, allocator=args.allocator, design_params=design_params,
+        score_params=score_params, merge=False))
+    for note in notes:
+        print(f"tracesim replay: note: {note}", file=sys.stderr)
+    return policies
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -129,6 +135,11 @@ def run_replay(args: argparse.Namespace) -> int:
     except (ValueError, StoreError) as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
+    from tracesim.policies.equivalence import budget_warnings
+
+    lengths = store.manifest.column("prompt_length").to_pylist()
+    for message in budget_warnings(policies, lengths or None):
+        print(f"tracesim replay: warning: {message}", file=sys.stderr)
     if args.threads:
         import numba
 

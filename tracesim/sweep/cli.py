@@ -50,8 +50,19 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"tracesim sweep: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    import warnings
+
+    from tracesim.sweep.grid import BudgetWarning
+
     try:
-        spec = load_spec(args.spec, output=args.out)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", BudgetWarning)
+            spec = load_spec(args.spec, output=args.out)
+        for w in caught:
+            if issubclass(w.category, BudgetWarning):
+                print(f"tracesim sweep: warning: {w.message}", file=sys.stderr)
+            else:  # pragma: no cover - anything else keeps its usual display
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         if args.dry_run:
             print(describe(spec, workers=args.workers, threads=args.threads_per_worker,
                            calibrate_time=not args.no_calibrate))
