@@ -7,7 +7,8 @@ a list is swept (Cartesian product); the expansion is deduplicated by :attr:`Pol
 keeps the order of the spec. Configurations that differ only in a score their design ignores
 (``bernoulli``; ``mixture: 1``) are computed once (:mod:`tracesim.policies.equivalence`; the
 note is listed with the skipped combinations), and token budgets below ``sinks + window`` raise
-a :class:`BudgetWarning` naming the effective budget. The grid may also be a list of such mappings (their union).
+a :class:`BudgetWarning` naming the effective budget. The grid may also be a list of such
+mappings (their union).
 
 >>> [p.id for p in parse_grid({"score": "full"})]
 ['full']
