@@ -106,3 +106,21 @@ def test_replay_cli_prints_the_warning_and_the_merge(store_path, tmp_path, capsy
     assert "warning: budget uniform:2tok is 2 token(s)" in err
     assert "effective budget is" in err
     assert "note: bernoulli ignores the score: h2o" in err
+
+
+def test_sweep_dry_run_prints_the_warning_and_lists_the_merge(tmp_path, capsys):
+    import yaml
+
+    from tests.sweep_fixtures import SPEC_TEXT, build_sweep_store
+
+    build_sweep_store(tmp_path / "store", n_seqs=1, n_layers=1)
+    doc = yaml.safe_load(SPEC_TEXT)
+    doc["grid"] = {"score": ["snapkv", "h2o"], "design": ["bernoulli"], "budget": [0.5, 5],
+                   "score_params": {"*": {"window": 6}}}
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    assert cli_main(["sweep", str(spec), "--dry-run", "--no-calibrate"]) == 0
+    out, err = capsys.readouterr()
+    assert "tracesim sweep: warning:" in err and "effective budget is 10 tokens" in err
+    assert "skipped: bernoulli ignores the score: h2o" in out
+    assert "grid: 2 configuration(s)" in out
