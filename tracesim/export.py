@@ -106,7 +106,7 @@ def _write_dataset(source: Path, tmp: Path, batch_rows: int, max_rows_per_file: 
         partitioning=ds.partitioning(part_schema, flavor="hive"),
         basename_template="part-{i}.parquet", max_partitions=1_000_000,
         max_rows_per_file=max_rows_per_file,
-        max_rows_per_group=min(max_rows_per_file, 1 << 20), existing_data_behavior="error")
+        max_rows_per_group=min(max_rows_per_file, 1 << 17), existing_data_behavior="error")
     return rows[0]
 
 
