@@ -132,8 +132,9 @@ def coverage_level_figure(results: pd.DataFrame,
                "certificate C (analysis.coverage.calibration_curve of |e|/C). For a "
                "d-dimensional head output the calibrated curve depends on how the variance "
                "spreads over coordinates: the grey band runs from one dominant coordinate "
-               f"(the diagonal) to {d} equal ones. A curve below the band means the "
-               "certificate is too small; above it, conservative. Rows are not independent "
+               f"(the diagonal) to {d} equal ones, the two extremes (other spreads fall close "
+               "to it). A curve well below the band means the certificate is too small; well "
+               "above it, conservative. Rows are not independent "
                "(one sequence gives many), so the curve has no interval; the C1 figure has "
                "cluster-robust ones.")
     return _png(fig), caption

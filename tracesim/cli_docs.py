@@ -123,15 +123,19 @@ def help_problems(parser: argparse.ArgumentParser) -> list[str]:
 
 @contextlib.contextmanager
 def _columns(width: int) -> Iterator[None]:
-    old = os.environ.get("COLUMNS")
+    """Fixed terminal width, and no colour (Python >= 3.14 may colour help text)."""
+    saved = {k: os.environ.get(k) for k in ("COLUMNS", "NO_COLOR", "FORCE_COLOR")}
     os.environ["COLUMNS"] = str(width)
+    os.environ["NO_COLOR"] = "1"
+    os.environ.pop("FORCE_COLOR", None)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = old
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def render_markdown(width: int = COLUMNS) -> str:
