@@ -99,6 +99,7 @@ def head_budget_figure(results: pd.DataFrame) -> bytes:
     for ax, alloc in zip(axes[0], allocs, strict=False):
         piv = pivs[alloc]
         im = ax.imshow(piv.values, aspect="auto", cmap="viridis", vmin=0, vmax=vmax)
+        ax.set_xticks(range(piv.shape[1]), [str(c) for c in piv.columns])
         ax.set_xlabel("KV head")
         ax.set_ylabel("layer")
         ax.set_title(f"kept tokens ({alloc})", fontsize=10)

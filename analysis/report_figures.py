@@ -219,7 +219,8 @@ def coverage_heatmap(results: pd.DataFrame, column: str, nominal: float,
         ax.set_xlabel("query head")
         ax.set_title(f"{design}", fontsize=9)
         r = rows.to_numpy()[rows.to_numpy() > 0]
-        ns.append(f"{design}: {int(r.min())}–{int(r.max())} rows and "
+        span = f"{int(r.min())}" if r.min() == r.max() else f"{int(r.min())}–{int(r.max())}"
+        ns.append(f"{design}: {span} rows and "
                   f"{int(nseq.to_numpy().max())} sequences per cell, "
                   f"{int((nseq.to_numpy() < min_clusters).sum())} of {nseq.size} cells masked")
         if len(heads) * len(layers) <= 120:
