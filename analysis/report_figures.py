@@ -167,7 +167,9 @@ def accuracy_budget_figure(outcomes: pd.DataFrame) -> tuple[bytes, str] | None:
         m, s, k = per.mean(), per.std(ddof=1), per.size()
         err = (s / np.sqrt(k)).fillna(0).to_numpy() * 1.96
         x = m.index.to_numpy(float) + (i - (len(groups) - 1) / 2) * width
-        ax.errorbar(x, m.to_numpy(float), yerr=err, marker=markers[i % len(markers)],
+        y = m.to_numpy(float)
+        yerr = np.vstack([np.minimum(err, y), np.minimum(err, 1 - y)])  # stay inside [0, 1]
+        ax.errorbar(x, y, yerr=yerr, marker=markers[i % len(markers)],
                     capsize=3, label=label, alpha=0.85)
     full = df.drop_duplicates("sequence_id")["full_correct"].astype(float).mean() \
         if "full_correct" in df else np.nan
@@ -181,7 +183,7 @@ def accuracy_budget_figure(outcomes: pd.DataFrame) -> tuple[bytes, str] | None:
     caption = (f"End-to-end accuracy against budget per policy, from the in-loop outcomes "
                f"({n_seq} sequence{'s' if n_seq != 1 else ''}): mean over sequences of each "
                "sequence's share of correct answers (over seeds), with ±1.96 standard errors "
-               "across sequences (none with one sequence); the dashed line is the full cache "
+               "across sequences, cut at 0 and 1 (none with one sequence); the dashed line is the full cache "
                "on the same sequences. Points are dodged sideways so that tied policies stay "
                "visible. With few sequences the points move in steps of 1/n.")
     return _png(fig), caption
