@@ -183,9 +183,10 @@ def accuracy_budget_figure(outcomes: pd.DataFrame) -> tuple[bytes, str] | None:
     caption = (f"End-to-end accuracy against budget per policy, from the in-loop outcomes "
                f"({n_seq} sequence{'s' if n_seq != 1 else ''}): mean over sequences of each "
                "sequence's share of correct answers (over seeds), with ±1.96 standard errors "
-               "across sequences, cut at 0 and 1 (none with one sequence); the dashed line is the full cache "
-               "on the same sequences. Points are dodged sideways so that tied policies stay "
-               "visible. With few sequences the points move in steps of 1/n.")
+               "across sequences, cut at 0 and 1 (none with one sequence); the dashed line "
+               "is the full cache on the same sequences. Points are dodged sideways so that "
+               "tied policies stay visible. With few sequences the points move in steps of "
+               "1/n.")
     return _png(fig), caption
 
 
