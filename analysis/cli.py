@@ -32,15 +32,28 @@ def _command(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``tracesim report``."""
-    p = subparsers.add_parser("report", help="evaluate the pre-registered claims; write the "
-                                             "report (Markdown + standalone HTML)")
-    p.add_argument("results", help="replay/sweep output directory")
-    p.add_argument("outcomes", nargs="?", default=None, help="evict output directory")
+    p = subparsers.add_parser(
+        "report", help="evaluate the pre-registered claims; write the report (Markdown + "
+        "standalone HTML)",
+        description="Evaluate every claim of the pre-registration (data/prereg.yaml) on the "
+        "replay/sweep results and the in-loop outcomes, correct the p-values with Holm, and "
+        "write OUT/report.md, a standalone OUT/report.html (provenance header, sample-size "
+        "caveat, claims table, captioned figures), OUT/claims.json and the figures as PNG. "
+        "Refuses results produced under another pre-registration. See docs/report.md.",
+        epilog="example:\n  tracesim report sweep-out/ outcomes/ --adversary adversary/ "
+        "--traces traces/ --out report/")
+    p.add_argument("results", help="replay or sweep output directory")
+    p.add_argument("outcomes", nargs="?", default=None,
+                   help="evict output directory (default: none; C3, C4, C6 not evaluated)")
     p.add_argument("--out", required=True, help="report directory")
-    p.add_argument("--prereg", default=str(_DEFAULT_PREREG), help="pre-registration file")
-    p.add_argument("--adversary", default=None, help="directory with adversary.json (C0)")
+    p.add_argument("--prereg", default=str(_DEFAULT_PREREG),
+                   help="pre-registration file (default: data/prereg.yaml)")
+    p.add_argument("--adversary", default=None,
+                   help="directory with adversary.json for C0 (default: RESULTS, if it has "
+                   "one)")
     p.add_argument("--traces", default=None,
-                   help="trace store (token log-probs for confidence gating, C7)")
+                   help="trace store: token log-probs for confidence gating (C7) and the "
+                   "provenance header (default: none)")
     p.add_argument("--allow-prereg-change", action="store_true",
                    help="report even if the pre-registration changed after the results")
     p.set_defaults(func=_command)

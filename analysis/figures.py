@@ -48,10 +48,15 @@ def error_budget_figure(results: pd.DataFrame) -> bytes:
     """Mean relative attention error vs budget, one line per (score, design)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    df = results[results["budget_unit"] == "fraction"]
-    for (score, design), g in df.groupby(["score", "design"]):
-        m = g.groupby("budget")["rel_err"].mean()
-        ax.plot(m.index, m.values, marker="o", label=f"{score} / {design}")
+    from analysis.report_figures import policy_labels
+
+    df = results[results["budget_unit"] == "fraction"].copy()
+    # Designs that ignore the score give identical rows for every score: one line, one label.
+    df["label"] = policy_labels(df)
+    for label, g in df.groupby("label"):
+        first = g["score"].iloc[0]
+        m = g[g["score"] == first].groupby("budget")["rel_err"].mean()
+        ax.plot(m.index, m.values, marker="o", label=label)
     ax.set_xlabel("budget (fraction of context)")
     ax.set_ylabel("mean relative error |ô - o| / |o|")
     ax.set_yscale("log")
@@ -85,10 +90,16 @@ def head_budget_figure(results: pd.DataFrame) -> bytes:
     df = results[results["score"] != "full"]
     allocs = sorted(df["allocator"].dropna().unique()) or ["uniform"]
     fig, axes = plt.subplots(1, len(allocs), figsize=(4.2 * len(allocs), 3.6), squeeze=False)
+    pivs = {a: df[df["allocator"] == a].pivot_table(index="layer", columns="kv_head",
+                                                    values="kept_tokens", aggfunc="mean")
+            for a in allocs}
+    # One scale for every panel, from 0: a uniform allocation reads as one flat colour instead
+    # of a per-panel stretch of rounding noise.
+    vmax = max([float(np.nanmax(p.values)) for p in pivs.values() if p.size] or [1.0])
     for ax, alloc in zip(axes[0], allocs, strict=False):
-        piv = df[df["allocator"] == alloc].pivot_table(index="layer", columns="kv_head",
-                                                       values="kept_tokens", aggfunc="mean")
-        im = ax.imshow(piv.values, aspect="auto", cmap="viridis")
+        piv = pivs[alloc]
+        im = ax.imshow(piv.values, aspect="auto", cmap="viridis", vmin=0, vmax=vmax)
+        ax.set_xticks(range(piv.shape[1]), [str(c) for c in piv.columns])
         ax.set_xlabel("KV head")
         ax.set_ylabel("layer")
         ax.set_title(f"kept tokens ({alloc})", fontsize=10)

@@ -3,7 +3,10 @@
 ``tracesim report RESULTS OUTCOMES --out report/`` reads the replay/sweep results, the in-loop
 outcomes and (optionally) the C0 adversary demo, checks that ``data/prereg.yaml`` is the file the
 results were produced under, and writes ``report.md``, a standalone ``report.html`` (figures
-embedded as PNG), ``claims.json`` and the figures as PNG files.
+embedded as PNG), ``claims.json`` and the figures as PNG files. The report opens with a
+provenance header and a caveat computed from the number of sequences
+(:mod:`analysis.provenance`); the claims table carries each hypothesis and the units of its
+estimate; every figure has a caption.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from analysis import figures
+from analysis import report_figures as rfig
 from analysis.claims import INCONCLUSIVE, SUPPORTED, ClaimResult, claims_table
 from analysis.claims_outcomes import evaluate_c2_accuracy, evaluate_c3, evaluate_c4, evaluate_c6
 from analysis.claims_replay import (
@@ -32,6 +36,7 @@ from analysis.claims_replay import (
 )
 from analysis.multiplicity import holm
 from analysis.prereg import Preregistration, check_prereg_hash, load_prereg
+from analysis.provenance import Provenance, collect_provenance
 
 __all__ = ["Report", "build_report", "load_results"]
 
@@ -70,6 +75,13 @@ class Report:
     figures: dict[str, bytes] = field(default_factory=dict)
     tables: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    captions: dict[str, str] = field(default_factory=dict)
+    provenance: Provenance | None = None
+
+    def add_figure(self, name: str, made: tuple[bytes, str] | None) -> None:
+        """Add a ``(png, caption)`` pair (``None``: nothing to draw)."""
+        if made is not None:
+            self.figures[name], self.captions[name] = made
 
     def terminal_table(self) -> str:
         rows = claims_table(self.claims)
@@ -100,6 +112,9 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
             matches &= check_prereg_hash(prereg, _recorded_hash(summary),
                                          allow_change=allow_prereg_change)
     report = Report(claims=[], prereg=prereg, prereg_matches=matches)
+    report.provenance = collect_provenance(
+        results, summary_r, outcomes, summary_o, prereg_sha256=prereg.sha256,
+        prereg_name=prereg.path.name, prereg_matches=matches, traces_dir=traces_dir)
     if not matches:
         report.notes.append("WARNING: the pre-registration changed after these results were "
                             "produced; reported anyway because --allow-prereg-change was given.")
@@ -116,8 +131,9 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         c1, strata = evaluate_c1(res_df, prereg)
         claims["C1"] = c1
         if strata:
-            report.figures["coverage"] = figures.coverage_figure(
-                strata, float(prereg.claims["C1"]["nominal"]))
+            report.add_figure("coverage", (figures.coverage_figure(
+                strata, float(prereg.claims["C1"]["nominal"])), _COVERAGE_CAPTION.format(
+                column=c1.extra.get("column", "?"), nominal=prereg.claims["C1"]["nominal"])))
             report.tables["coverage strata"] = "\n\n".join(
                 f"by {k}\n{v.summary()}" for k, v in strata.items())
         claims["C2"] = evaluate_c2_attention(res_df, prereg)
@@ -125,10 +141,18 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         logprobs = _logprobs(traces_dir) if traces_dir else None
         curves = recompute_curves(res_df, logprobs, (0.05, 0.1, 0.2))
         claims["C7"] = evaluate_c7(curves, prereg)
-        report.figures["error_vs_budget"] = figures.error_budget_figure(res_df)
-        report.figures["head_budgets"] = figures.head_budget_figure(res_df)
+        nominal = float(prereg.claims["C1"]["nominal"])
+        report.add_figure("certificate_vs_error", rfig.certificate_error_figure(res_df))
+        report.add_figure("coverage_vs_level", rfig.coverage_level_figure(
+            res_df, report.provenance.head_dim))
+        report.add_figure("coverage_by_head", rfig.coverage_heatmap(
+            res_df, c1.extra.get("column", "wald_cov"), nominal))
+        report.add_figure("error_vs_budget", (figures.error_budget_figure(res_df),
+                                              _ERROR_CAPTION))
+        report.add_figure("head_budgets", (figures.head_budget_figure(res_df), _HEADS_CAPTION))
         if not curves.empty:
-            report.figures["recompute"] = figures.recompute_figure(curves)
+            report.add_figure("recompute", (figures.recompute_figure(curves),
+                                            _RECOMPUTE_CAPTION))
     else:
         for cid in ("C1", "C2", "C5", "C7"):
             claims[cid] = ClaimResult(cid, prereg.claims[cid]["hypothesis"],
@@ -146,7 +170,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         c6, roc6 = evaluate_c6(out_df, prereg)
         claims["C4"], claims["C6"] = c4, c6
         if roc4 or roc6:
-            report.figures["roc"] = figures.roc_figure({**roc4, **roc6})
+            report.add_figure("roc", (figures.roc_figure({**roc4, **roc6}), _ROC_CAPTION))
+        report.add_figure("accuracy_vs_budget", rfig.accuracy_budget_figure(out_df))
         cols = dict(accuracy=("correct", "mean"), full_cache=("full_correct", "mean"),
                     runs=("correct", "size"))
         if "kept_fraction" in out_df:
@@ -170,6 +195,30 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     return report
 
 
+_COVERAGE_CAPTION = (
+    "Claim C1: empirical coverage of the primary event ({column}) per stratum — realised tail "
+    "size m, Kish effective sample size, oracle sampled-out attention mass — with 95% "
+    "cluster-robust intervals (GEE, sequences as clusters); the dashed line is the nominal "
+    "{nominal}. Wide intervals mean few sequences, not poor calibration.")
+_ERROR_CAPTION = (
+    "Mean relative attention error |ô − o| / |o| of the head outputs against the budget "
+    "(fraction of the context; token-count budgets are not drawn), one line per score / "
+    "design, log scale. Designs that ignore the score (bernoulli, mixture 1) give the same "
+    "rows for every score and are drawn once, as 'design (any score)'.")
+_HEADS_CAPTION = (
+    "Mean kept tokens per (layer, KV head) for each allocator, every evicting configuration "
+    "pooled. One colour scale from 0 for all panels, so a uniform allocation reads as a flat "
+    "colour and Ada-KV / PyramidKV differences are comparable across panels.")
+_RECOMPUTE_CAPTION = (
+    "Claim C7: share of the squared attention error recovered by recomputing a share of "
+    "(decode step, head) units, chosen by the certificate, at random, or by lowest token "
+    "log-prob, against the recompute budget (means over configurations and sequences).")
+_ROC_CAPTION = (
+    "Claims C4 and C6: ROC curves of the failure and attribution signals (AUC in the "
+    "legend). Runs of one sequence are dependent; intervals and tests are in the claims "
+    "table (cluster bootstrap over sequences).")
+
+
 def _logprobs(traces_dir: str | Path) -> dict[str, np.ndarray]:
     from tracesim.store import open_store
 
@@ -178,16 +227,25 @@ def _logprobs(traces_dir: str | Path) -> dict[str, np.ndarray]:
     return {r["sequence_id"]: np.asarray(r["generated_logprobs"], dtype=float) for r in m}
 
 
+def _tier_class(tier: str) -> str:
+    return "caveat-" + tier.replace("a ", "", 1).replace(" ", "-")
+
+
 def write_report(report: Report, out: str | Path) -> Path:
     """Write report.md, report.html, claims.json and the PNG figures; return the HTML path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name, png in report.figures.items():
         (out / f"{name}.png").write_bytes(png)
-    rows = claims_table(report.claims)
-    md = ["# tracesim report", "",
-          f"Pre-registration: `{report.prereg.path.name}` ({report.prereg.sha256[:19]}…), "
-          f"Holm across claims at α = {report.prereg.alpha}.", ""]
+    rows = claims_table(report.claims, text=True)
+    prov = report.provenance
+    md = ["# tracesim report", ""]
+    if prov is not None:
+        md += [f"> **{prov.caveat}**", "", "| provenance | |", "|---|---|"]
+        md += [f"| {k} | {v} |" for k, v in prov.rows]
+        md += [""]
+    md += [f"Pre-registration: `{report.prereg.path.name}` ({report.prereg.sha256[:19]}…), "
+           f"Holm across claims at α = {report.prereg.alpha}.", ""]
     md += [f"> {n}" for n in report.notes]
     md += ["## Claims", "", "| " + " | ".join(rows[0]) + " |",
            "|" + "---|" * len(rows[0])]
@@ -197,35 +255,56 @@ def write_report(report: Report, out: str | Path) -> Path:
         md += [f"### {c.claim}: {c.verdict}", "", f"*{c.hypothesis}*", "", c.detail, ""]
     for title, text in report.tables.items():
         md += [f"## {title}", "", "```", text, "```", ""]
-    for name in report.figures:
-        md += [f"![{name}]({name}.png)", ""]
+    md += ["## Figures", ""]
+    for i, name in enumerate(report.figures, 1):
+        md += [f"![{name}]({name}.png)", "",
+               f"*Figure {i} ({name}).* {report.captions.get(name, '')}", ""]
     (out / "report.md").write_text("\n".join(md))
     (out / "claims.json").write_text(json.dumps(
         [asdict(c) for c in report.claims], indent=1, default=float))
-    name = html.escape(str(report.prereg.path.name))
-    body = [f"<h1>tracesim report</h1><p>Pre-registration <code>{name}</code> "
-            f"({report.prereg.sha256[:19]}…), Holm at α = {report.prereg.alpha}.</p>"]
-    body += [f"<p class='warn'>{html.escape(n)}</p>" for n in report.notes]
-    body.append("<h2>Claims</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>"
-                                                        for h in rows[0]) + "</tr>")
+    esc = html.escape
+    name = esc(str(report.prereg.path.name))
+    body = ["<h1>tracesim report</h1>"]
+    if prov is not None:
+        body.append(f"<p class='caveat {_tier_class(prov.tier)}'>{esc(prov.caveat)}</p>")
+        body.append("<table class='prov'>" + "".join(
+            f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in prov.rows) + "</table>")
+    body.append(f"<p>Pre-registration <code>{name}</code> "
+                f"({report.prereg.sha256[:19]}…), Holm at α = {report.prereg.alpha}.</p>")
+    body += [f"<p class='warn'>{esc(n)}</p>" for n in report.notes]
+    body.append("<h2>Claims</h2><table class='claims'><tr>" + "".join(
+        f"<th>{esc(h)}</th>" for h in rows[0]) + "</tr>")
     for r in rows[1:]:
         cls = r[-1].replace(" ", "-")
-        body.append("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in r[:-1])
-                    + f"<td class='{cls}'>{html.escape(r[-1])}</td></tr>")
+        body.append("<tr>" + f"<td>{esc(r[0])}</td>" + f"<td class='text'>{esc(r[1])}</td>"
+                    + f"<td class='unit'>{esc(r[2])}</td>"
+                    + "".join(f"<td>{esc(x)}</td>" for x in r[3:-1])
+                    + f"<td class='{cls}'>{esc(r[-1])}</td></tr>")
     body.append("</table>")
     for c in report.claims:
-        body.append(f"<h3>{c.claim}: {html.escape(c.verdict)}</h3><p><em>"
-                    f"{html.escape(c.hypothesis)}</em></p><p>{html.escape(c.detail)}</p>")
+        body.append(f"<h3>{c.claim}: {esc(c.verdict)}</h3><p><em>"
+                    f"{esc(c.hypothesis)}</em></p><p>{esc(c.detail)}</p>")
     for title, text in report.tables.items():
-        body.append(f"<h2>{html.escape(title)}</h2><pre>{html.escape(text)}</pre>")
-    for name, png in report.figures.items():
+        body.append(f"<h2>{esc(title)}</h2><pre>{esc(text)}</pre>")
+    if report.figures:
+        body.append("<h2>Figures</h2>")
+    for i, (fig_name, png) in enumerate(report.figures.items(), 1):
         data = base64.b64encode(png).decode()
-        body.append(f"<h2>{html.escape(name)}</h2><img alt='{name}' "
-                    f"src='data:image/png;base64,{data}'/>")
-    style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:"
-             "collapse}td,th{border:1px solid #ccc;padding:.3em .6em}.supported{color:#070}"
-             ".not-supported{color:#a00}.inconclusive{color:#a60}.warn{color:#a00}"
-             "img{max-width:100%}pre{background:#f6f6f6;padding:.5em}")
+        body.append(f"<figure id='{esc(fig_name)}'><img alt='{esc(fig_name)}' "
+                    f"src='data:image/png;base64,{data}'/><figcaption><b>Figure {i} "
+                    f"({esc(fig_name)}).</b> {esc(report.captions.get(fig_name, ''))}"
+                    "</figcaption></figure>")
+    style = ("body{font-family:sans-serif;max-width:66em;margin:2em auto;line-height:1.4}"
+             "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;"
+             "padding:.3em .6em;vertical-align:top}th{text-align:left;background:#f3f3f3}"
+             ".claims td.text{max-width:22em}.claims td.unit{max-width:16em;color:#444;"
+             "font-size:90%}.supported{color:#070}.not-supported{color:#a00}"
+             ".inconclusive{color:#a60}.warn{color:#a00}.caveat{padding:.6em 1em;"
+             "border-left:6px solid #c60;background:#fff4e5;font-weight:bold}"
+             ".caveat-study{border-color:#070;background:#eef8ee}"
+             "figure{margin:1.5em 0;border-top:1px solid #ddd;padding-top:.8em}"
+             "figcaption{font-size:92%;color:#333;max-width:60em}"
+             "img{max-width:100%}pre{background:#f6f6f6;padding:.5em;overflow-x:auto}")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>tracesim report</title>"
             f"<style>{style}</style></head><body>{''.join(body)}</body></html>")
     path = out / "report.html"

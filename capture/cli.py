@@ -18,9 +18,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="record attention traces of a model on generated long-context tasks",
         description="Run generated RULER-style tasks, or your own prompts (--prompts), "
         "through a Hugging Face causal LM with the recording attention hook and write a trace "
-        "store. Resumable: sequences already in the store are skipped.",
-        epilog="example: tracesim capture --prompts my.jsonl --out traces/mine "
-        "--layers 0-3 --heads 0 (see docs/capture.md)",
+        "store. Resumable: sequences already in the store are skipped. See docs/capture.md.",
+        epilog="examples:\n  tracesim capture --model smollm2 --tasks passkey,vartrack --n 4 "
+        "--length 512 --out traces/\n  tracesim capture --prompts my.jsonl --out traces/mine "
+        "--layers 0-3 --heads 0",
     )
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default) or a local transformers checkpoint directory")
@@ -51,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="generation budget (default: each task's own)")
     p.add_argument("--window", type=int, default=32,
-                   help="observation window length w for the context/question windows")
+                   help="observation window length w for the context/question windows, in "
+                   "tokens (default 32)")
     p.add_argument("--all-positions", action="store_true",
                    help="record Q and outputs at every position (large)")
     p.add_argument("--seed", type=int, default=0, help="run seed (default 0)")

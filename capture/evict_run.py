@@ -185,14 +185,27 @@ def _command(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add ``tracesim evict``."""
     p = subparsers.add_parser(
-        "evict", help="run eviction policies inside the model and record end-to-end outcomes")
+        "evict", help="run eviction policies inside the model and record end-to-end outcomes",
+        description="For each sequence of the trace store: one full-cache prefill, then one "
+        "greedy decode per (policy, seed) with the eviction enforced inside attention. "
+        "Writes one outcomes row per (sequence, policy, seed) — correct, full_correct, "
+        "failure, log-prob and certificate summaries — to OUT/outcomes.parquet and "
+        "OUT/summary.json. Resumable: finished sequences are kept. See docs/evict.md.",
+        epilog="example (evict.yaml: 'grid: {score: [snapkv, full], design: [topk, poisson], "
+        "budget: [0.25, 0.5]}'):\n"
+        "  tracesim evict traces/ --grid evict.yaml --seeds 2 --out outcomes/")
     p.add_argument("traces", help="trace store whose sequences to run")
-    p.add_argument("--grid", required=True, help="YAML grid (the sweep spec's grid grammar)")
+    p.add_argument("--grid", required=True,
+                   help="YAML file with a 'grid' (the sweep spec's grid grammar, docs/sweeps.md) "
+                   "and optionally 'seeds'")
     p.add_argument("--out", default="outcomes", help="output directory (resumable)")
     p.add_argument("--model", default="smollm2", help="'smollm2' or a local checkpoint dir")
-    p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: grid's)")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="number of seeds (default: the grid file's 'seeds', else 4)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="generated tokens per run (default: as many as the captured full-cache "
+                   "generation)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--no-layer-certificate", action="store_true",
                    help="skip the per-layer output-space certificate (cheaper decode steps)")
     p.set_defaults(func=_command)

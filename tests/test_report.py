@@ -80,6 +80,20 @@ def test_report_has_a_verdict_for_every_claim_and_a_viewable_html(inputs, tmp_pa
         assert f"<td>{cid}</td>" in page
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| C7 |" in md
+    # Stands alone: provenance, the sample-size caveat, claim text and units, captions.
+    assert "n = 3 sequences: a smoke test" in page  # replay results have 3 sequences
+    for field_name in ("model", "tasks", "sequences", "prompt lengths", "seeds",
+                       "tracesim version", "pre-registration"):
+        assert f"<th>{field_name}</th>" in page
+    assert prereg_hash(PREREG) in page
+    assert "<th>hypothesis</th>" in page and "<th>estimate measures</th>" in page
+    assert "share of certified" in page  # C1's units
+    for name in ("certificate_vs_error", "coverage_vs_level", "coverage_by_head",
+                 "accuracy_vs_budget", "error_vs_budget", "coverage"):
+        assert name in report.figures and report.captions[name], name
+        assert f"<figure id='{name}'>" in page
+    assert page.count("<figcaption>") == len(report.figures)
+    assert md.count("*Figure ") == len(report.figures)
     table = report.terminal_table()
     assert table.splitlines()[0].startswith("claim")
 
@@ -101,3 +115,53 @@ def test_report_cli(inputs, tmp_path):
     assert main(["report", str(results), str(outcomes), "--out", str(tmp_path / "r")]) == 0
     assert (tmp_path / "r" / "report.html").is_file()
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r2")]) == 2
+
+
+def test_sample_size_tiers():
+    from analysis.provenance import sample_size_caveat
+
+    assert sample_size_caveat(9)[1].startswith("n = 9 sequences: a smoke test")
+    assert sample_size_caveat(1)[1].startswith("n = 1 sequence: a smoke test")
+    assert [sample_size_caveat(n)[0] for n in (0, 9, 10, 29, 30, 99, 100, 5000)] == [
+        "a smoke test", "a smoke test", "a pilot", "a pilot", "a small study", "a small study",
+        "a study", "a study"]
+
+
+def test_designs_that_ignore_the_score_are_labelled_once():
+    from analysis.report_figures import policy_labels
+
+    df = pd.DataFrame({"score": ["snapkv", "h2o", "snapkv", "h2o", "vnorm", "h2o"],
+                       "design": ["bernoulli", "bernoulli", "poisson", "poisson", "bernoulli",
+                                  "poisson"],
+                       "mixture": [np.nan, np.nan, 0.1, 0.1, np.nan, 1.0],
+                       "top_fraction": [0, 0, 0, 0, 0.5, 0],
+                       "allocator": ["uniform"] * 6})
+    assert policy_labels(df).tolist() == [
+        "bernoulli (any score)", "bernoulli (any score)", "snapkv / poisson", "h2o / poisson",
+        "vnorm / bernoulli", "poisson (any score)"]
+
+
+def test_coverage_heatmap_masks_thin_cells_and_fixes_the_scale(monkeypatch):
+    """Cells with fewer sequences than the threshold are masked; the colour limits do not
+    depend on the data (pure-noise coverage near nominal gives the same norm)."""
+    from analysis import report_figures as rf
+
+    seen = []
+    import matplotlib.colors
+
+    monkeypatch.setattr(matplotlib.colors, "TwoSlopeNorm", lambda **kw: (
+        seen.append(kw), matplotlib.colors.Normalize(kw["vmin"], kw["vmax"]))[1])
+    rng = np.random.default_rng(1)
+    rows = []
+    for seq in range(4):
+        for layer in range(3):
+            for head in range(2):
+                if layer == 2 and head == 1 and seq > 0:
+                    continue  # one cell with a single sequence
+                rows.append(dict(sequence_id=f"s{seq}", layer=layer, head=head,
+                                 design="poisson", certified=True, cert2=1.0, err2=1.0,
+                                 wald_cov=float(rng.random() < 0.95)))
+    made = rf.coverage_heatmap(pd.DataFrame(rows), "wald_cov", 0.95)
+    assert made is not None and made[0][:4] == b"\x89PNG"
+    assert "1 of 6 cells masked" in made[1]
+    assert seen == [{"vcenter": 0.95, "vmin": 0.0, "vmax": 1.0}]

@@ -161,21 +161,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "adversary", help="claim C0: perturb evicted values; top-k cannot see it",
         description="Perturb the values top-k evicts and show the retained cache is "
-        "bit-identical while the true error grows; contrast with a Poisson design.")
-    p.add_argument("traces", metavar="TRACES")
-    p.add_argument("--score", default="snapkv")
-    p.add_argument("--budget", type=float, default=0.25)
-    p.add_argument("--layer", type=int, default=None, help="default: the middle layer")
-    p.add_argument("--head", type=int, default=0)
-    p.add_argument("--sequence", default=None, help="default: the first sequence")
-    p.add_argument("--grid", default=",".join(f"{t:g}" for t in DEFAULT_GRID))
-    p.add_argument("--seeds", type=int, default=64)
-    p.add_argument("--mixture", type=float, default=0.1)
-    p.add_argument("--window", type=int, default=None, help="override the score's window")
+        "bit-identical while the true error grows; contrast with a Poisson design.\n\n"
+        "The values of the tokens top-k evicts, in one (sequence, layer, KV head), are moved "
+        "by t times a fixed random direction scaled to the head's RMS value norm (t is in "
+        "units of a typical |v|). For each t the table gives the hash of what top-k retains, "
+        "its true error, and the Poisson/Hájek error, certificate and coverage over the "
+        "seeds. Writes OUT/adversary.parquet and OUT/adversary.json (read by tracesim report "
+        "for claim C0).",
+        epilog="example:\n  tracesim adversary traces/ --score snapkv --budget 0.25 "
+        "--window 8 --out adversary/")
+    p.add_argument("traces", metavar="TRACES", help="trace store directory")
+    p.add_argument("--score", default="snapkv",
+                   help="score of both the top-k and the Poisson policy (not vnorm, which "
+                   "reads the perturbed values)")
+    p.add_argument("--budget", type=float, default=0.25,
+                   help="budget per KV head: a fraction of the context (<= 1) or tokens (> 1)")
+    p.add_argument("--layer", type=int, default=None,
+                   help="layer index (default: the middle layer)")
+    p.add_argument("--head", type=int, default=0,
+                   help="query head whose errors are reported; its KV head is perturbed")
+    p.add_argument("--sequence", default=None, help="sequence id (default: the first sequence)")
+    p.add_argument("--grid", default=",".join(f"{t:g}" for t in DEFAULT_GRID),
+                   help="comma-separated perturbation sizes t, in units of the head's RMS "
+                   "value norm")
+    p.add_argument("--seeds", type=int, default=64, help="seeds of the Poisson design")
+    p.add_argument("--mixture", type=float, default=0.1,
+                   help="defensive mixture weight in [0, 1] of the Poisson design (gives "
+                   "every tail token pi > 0)")
+    p.add_argument("--window", type=int, default=None,
+                   help="recent-window length in tokens (default: the score's own)")
     p.add_argument("--summary-page", type=int, default=16,
                    help="page size (positions) of the summaries top-k keeps of what it evicts, "
-                   "for the deterministic bound column; 0 = none (default 16)")
-    p.add_argument("--out", required=True)
+                   "for the deterministic bound column; 0 = none")
+    p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run_adversary)
 
 

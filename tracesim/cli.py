@@ -21,16 +21,21 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "capture.evict_run",
     "analysis.cli",
     "tracesim.demo",
+    "tracesim.export",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every available subcommand."""
     from tracesim import __version__
+    from tracesim.cli_docs import Parser
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="tracesim",
-        description="Simulation and statistics over recorded attention traces.",
+        description="Simulation and statistics over recorded attention traces. Each "
+        "subcommand has its own --help with an example; docs/cli.md collects them all.",
+        epilog="example (capture -> sweep -> evict -> report on the default model):\n"
+        "  tracesim demo --out demo/",
     )
     parser.add_argument("--version", action="version", version=f"tracesim {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -169,11 +169,21 @@ def _command(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``tracesim demo``."""
-    p = subparsers.add_parser("demo", help="the main job: capture -> sweep -> evict -> report")
+    p = subparsers.add_parser(
+        "demo", help="the main job: capture -> sweep -> evict -> report",
+        description="Run every stage on the default model and generated tasks: capture "
+        "traces, replay sweep, the C0 adversary demo, in-loop eviction outcomes, and the "
+        "report. 'small' finishes in minutes on two CPU cores; 'full' is the full-size study. "
+        "Every stage is resumable: rerunning skips what is done. The specs used are written "
+        "next to the results (OUT/sweep.yaml, OUT/evict.yaml).",
+        epilog="example:\n  tracesim demo --out demo/\n  tracesim demo --scale full --workers "
+        "8 --out demo-full/")
     p.add_argument("--out", default="demo", help="output directory (resumable)")
     p.add_argument("--scale", default="small", choices=sorted(SCALES),
                    help="small: minutes on 2 cores; full: the full-size study")
-    p.add_argument("--workers", type=int, default=None, help="sweep worker processes")
+    p.add_argument("--workers", type=int, default=None,
+                   help="sweep worker processes (default: one per core)")
     p.add_argument("--model", default="smollm2", help="'smollm2' or a local checkpoint dir")
-    p.add_argument("--allow-prereg-change", action="store_true")
+    p.add_argument("--allow-prereg-change", action="store_true",
+                   help="report even if data/prereg.yaml changed after earlier stages ran")
     p.set_defaults(func=_command)

@@ -99,8 +99,12 @@ def policy_grid(
     correction: str = "auto", schedule: str | Schedule = "oneshot",
     allocator: str = "uniform", design_params: dict[str, dict[str, Any]] | None = None,
     score_params: dict[str, dict[str, Any]] | None = None, summary_page: int = 0,
+    merge: bool = True,
 ) -> list[Policy]:
-    """Every score × design × budget combination (``full`` once), deduplicated by id."""
+    """Every score × design × budget combination (``full`` once), deduplicated by id and by
+    :func:`~tracesim.policies.equivalence.merge_score_free` (a score the design ignores)."""
+    from tracesim.policies.equivalence import merge_score_free
+
     out: dict[str, Policy] = {}
     for s in scores:
         for dname in designs:
@@ -112,4 +116,4 @@ def policy_grid(
                                 design_params=(design_params or {}).get(dname),
                                 summary_page=summary_page)
                 out.setdefault(p.id, p)
-    return list(out.values())
+    return merge_score_free(out.values())[0] if merge else list(out.values())

@@ -31,25 +31,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "replay", help="replay eviction policies over a trace store (Parquet results)",
         description="Replay every score x design x budget combination (comma-separated "
         "lists form a grid) over a trace store and write OUT/replay.parquet, "
-        "OUT/configs.json and a printed summary. See docs/replay.md.")
+        "OUT/configs.json and a printed summary. See docs/replay.md.",
+        epilog="example:\n  tracesim replay traces/ --score snapkv,h2o --design topk,poisson "
+        "--budget 0.1,0.25,0.5 --seeds 16 --out replay-out/")
     p.add_argument("traces", metavar="TRACES", help="trace store directory")
     p.add_argument("--score", type=_csv(str), default=["snapkv"],
-                   help="scores (streaming,h2o,snapkv,tova,knorm,vnorm,keyformer,random,oracle,"
-                        "full)")
+                   help="comma-separated scores (streaming,h2o,snapkv,tova,knorm,vnorm,"
+                   "keyformer,random,oracle,full, kvpress ports and plugins)")
     p.add_argument("--design", type=_csv(str), default=["topk", "poisson"],
-                   help="designs (topk,poisson,bernoulli,fixed)")
+                   help="comma-separated inclusion designs (topk,poisson,bernoulli,fixed)")
     p.add_argument("--budget", type=_csv(float), default=[0.25],
-                   help="budgets: fractions of the context (<= 1) or token counts (> 1)")
-    p.add_argument("--correction", default="auto", choices=("auto", "none", "hajek"))
-    p.add_argument("--allocator", default="uniform", choices=("uniform", "adakv", "pyramidkv"))
+                   help="comma-separated budgets per (layer, KV head), sinks and window "
+                   "included: fractions of the context (<= 1) or token counts (> 1)")
+    p.add_argument("--correction", default="auto", choices=("auto", "none", "hajek"),
+                   help="Hájek correction of randomized designs; auto: hajek unless the score "
+                   "is random or keyformer, none for top-k")
+    p.add_argument("--allocator", default="uniform", choices=("uniform", "adakv", "pyramidkv"),
+                   help="how the budget is spread over heads (adakv) and layers (pyramidkv)")
     p.add_argument("--schedule", default="oneshot",
-                   help="'oneshot' or 'decode:K' (evict every K decode steps)")
+                   help="'oneshot' (compress once after prefill) or 'decode:K' (evict every "
+                   "K decode steps)")
     p.add_argument("--mixture", type=float, default=None,
-                   help="defensive mixture of poisson/fixed designs (default 0)")
+                   help="defensive mixture weight in [0, 1] of poisson/fixed designs "
+                   "(default 0)")
     p.add_argument("--floor", type=float, default=None,
                    help="lower bound on every tail pi of poisson/fixed designs, in [0, 1) "
                         "(default 0)")
-    p.add_argument("--window", type=int, default=None, help="override every score's window")
+    p.add_argument("--window", type=int, default=None,
+                   help="recent-window length in tokens for every score (default: each "
+                   "score's own)")
     p.add_argument("--summary-page", type=_csv(int), default=[0], metavar="P",
                    help="page sizes in positions (comma-separated, swept) of the summaries "
                    "kept for the tokens a policy does not keep, which give the deterministic "
@@ -63,8 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also compute tr(V^2) for the vector-level event (slow)")
     p.add_argument("--no-output-space", action="store_true",
                    help="skip the per-layer output-space (GQA) certificate and error")
-    p.add_argument("--threads", type=int, default=None, help="numba threads")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--threads", type=int, default=None,
+                   help="numba threads (default: numba's, one per core)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run_replay)
 
@@ -99,8 +110,10 @@ def summary_table(table: pa.Table) -> str:
 
 
 def build_policies(args: argparse.Namespace) -> list:
-    """The grid the arguments describe."""
+    """The grid the arguments describe (configurations a design makes identical merged, with a
+    note on stderr)."""
     from tracesim.policies import policy_grid
+    from tracesim.policies.equivalence import merge_score_free
 
     score_params = {}
     if args.window is not None:
@@ -121,9 +134,12 @@ def build_policies(args: argparse.Namespace) -> list:
         for p in policy_grid(args.score, args.design, args.budget, correction=args.correction,
                              schedule=args.schedule, allocator=args.allocator,
                              design_params=design_params, score_params=score_params,
-                             summary_page=page):
+                             summary_page=page, merge=False):
             out.setdefault(p.id, p)
-    return list(out.values())
+    policies, notes = merge_score_free(list(out.values()))
+    for note in notes:
+        print(f"tracesim replay: note: {note}", file=sys.stderr)
+    return policies
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -137,6 +153,11 @@ def run_replay(args: argparse.Namespace) -> int:
     except (ValueError, StoreError) as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
+    from tracesim.policies.equivalence import budget_warnings
+
+    lengths = store.manifest.column("prompt_length").to_pylist()
+    for message in budget_warnings(policies, lengths or None):
+        print(f"tracesim replay: warning: {message}", file=sys.stderr)
     if args.threads:
         import numba
 

@@ -17,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="check a trace store (schema, shapes, checksums, NaN/Inf, boundaries)",
         description="Check a trace store. Prints 'OK' and a one-line summary, or every "
         "problem found (naming the file and field); exits 1 on any problem.",
+        epilog="example:\n  tracesim validate traces/\n  tracesim validate traces/ --quick",
     )
     parser.add_argument("dir", metavar="DIR", help="trace store directory")
     parser.add_argument(

@@ -15,7 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "sweep", help="run a declarative sweep (YAML spec) locally or on Dask; resumable",
         description="Replay the spec's grid of policies over its trace stores, one Parquet "
         "file per task, then compact them into OUT/results/results.parquet and "
-        "OUT/results/summary.json. Rerunning skips finished tasks. See docs/sweeps.md.")
+        "OUT/results/summary.json. Rerunning skips finished tasks. See docs/sweeps.md.",
+        epilog="examples:\n  tracesim sweep data/sweeps/example.yaml --dry-run\n"
+        "  tracesim sweep data/sweeps/example.yaml --workers 2 --out sweep-out/")
     p.add_argument("spec", metavar="SPEC", help="sweep spec (YAML)")
     p.add_argument("--dry-run", action="store_true",
                    help="print tasks, estimated work and time, and the output layout; run "
@@ -29,9 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads-per-worker", type=int, default=None,
                    help="numba/BLAS threads per worker (default: cores // workers)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
-                   help="address of an existing Dask scheduler (implies --backend dask)")
+                   help="address of an existing Dask scheduler, e.g. tcp://host:8786 "
+                   "(implies --backend dask; default: start a local cluster)")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory (overrides the spec's output)")
+                   help="output directory (default: the spec's 'output')")
     p.add_argument("--retries", type=int, default=2,
                    help="resubmissions of a failed task before it counts as failed (default 2)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -47,8 +50,19 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"tracesim sweep: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    import warnings
+
+    from tracesim.sweep.grid import BudgetWarning
+
     try:
-        spec = load_spec(args.spec, output=args.out)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", BudgetWarning)
+            spec = load_spec(args.spec, output=args.out)
+        for w in caught:
+            if issubclass(w.category, BudgetWarning):
+                print(f"tracesim sweep: warning: {w.message}", file=sys.stderr)
+            else:  # pragma: no cover - anything else keeps its usual display
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         if args.dry_run:
             print(describe(spec, workers=args.workers, threads=args.threads_per_worker,
                            calibrate_time=not args.no_calibrate))

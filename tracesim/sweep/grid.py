@@ -4,7 +4,11 @@ schedules, with per-score / per-design / per-allocator hyperparameters.
 The grammar (documented in ``docs/sweeps.md``) is plain YAML data; nothing is executed or
 imported. Every list-valued key may also be given as a single value. A hyperparameter given as
 a list is swept (Cartesian product); the expansion is deduplicated by :attr:`Policy.id` and
-keeps the order of the spec. The grid may also be a list of such mappings (their union).
+keeps the order of the spec. Configurations that differ only in a score their design ignores
+(``bernoulli``; ``mixture: 1``) are computed once (:mod:`tracesim.policies.equivalence`; the
+note is listed with the skipped combinations), and token budgets below ``sinks + window`` raise
+a :class:`BudgetWarning` naming the effective budget. The grid may also be a list of such
+mappings (their union).
 
 >>> [p.id for p in parse_grid({"score": "full"})]
 ['full']
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
@@ -23,10 +28,12 @@ from typing import Any
 from tracesim.budgets import ALLOCATORS, Budget
 from tracesim.designs import DESIGN_REGISTRY, DESIGNS, make_design
 from tracesim.policies import CORRECTIONS, SCORE_REGISTRY, SCORES, Policy, make_score
+from tracesim.policies.equivalence import budget_warnings, merge_score_free
 from tracesim.policies.kvpress import budget_from_compression_ratio
 from tracesim.schedules import Schedule
 
-__all__ = ["GRID_KEYS", "GridExpansion", "SpecError", "expand_grid", "parse_grid"]
+__all__ = ["GRID_KEYS", "BudgetWarning", "GridExpansion", "SpecError", "expand_grid",
+           "parse_grid"]
 
 #: Keys of a grid mapping -> (required, meaning).
 GRID_KEYS: dict[str, tuple[bool, str]] = {
@@ -55,6 +62,18 @@ _ALLOCATOR_PARAMS = {"uniform": (), "adakv": ("alpha",), "pyramidkv": ("beta",)}
 
 class SpecError(ValueError):
     """An invalid sweep spec or grid; the message names the file and the key."""
+
+
+class BudgetWarning(UserWarning):
+    """A budget below a score's take-all stratum (sinks + window): only that stratum is kept."""
+
+
+def _merged(policies: list[Policy], skipped: list[str], where: str) -> GridExpansion:
+    """Merge configurations whose design ignores the score; warn on swallowed budgets."""
+    kept, notes = merge_score_free(policies)
+    for message in budget_warnings(kept):
+        warnings.warn(f"{where}: {message}", BudgetWarning, stacklevel=3)
+    return GridExpansion(kept, sorted(set(skipped) | set(notes)))
 
 
 @dataclass(frozen=True)
@@ -319,11 +338,13 @@ def expand_grid(grid: Any, where: str = "grid") -> GridExpansion:
         for part in parts:
             for p in part.policies:
                 merged.setdefault(p.id, p)
-        return GridExpansion(list(merged.values()),
-                             sorted({s for part in parts for s in part.skipped}))
+        return _merged(list(merged.values()),
+                       [s for part in parts for s in part.skipped], where)
     if grid is None or (isinstance(grid, Mapping) and not grid):
         raise _fail(where, "is empty; give at least 'score' (and 'design' and 'budget')")
     expansion = _expand_one(grid, where)
+    if expansion.policies:
+        expansion = _merged(expansion.policies, expansion.skipped, where)
     if not expansion.policies:
         raise _fail(where, "expands to no configuration (every combination was skipped: "
                            + "; ".join(expansion.skipped) + ")")

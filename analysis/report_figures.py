@@ -1,0 +1,250 @@
+"""The report's calibration, accuracy and per-head figures (PNG bytes), with their captions.
+
+Colour scales are fixed by the quantity, not by the data: a coverage map is centred on the
+nominal level with the same limits in every panel, and cells backed by too few sequences are
+masked, so sampling noise in a small run does not show up as structure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from analysis.coverage import calibration_curve
+from analysis.figures import _plt, _png
+
+__all__ = ["accuracy_budget_figure", "certificate_error_figure", "coverage_heatmap",
+           "coverage_level_figure", "policy_labels"]
+
+#: Heatmap cells backed by fewer sequences than this are masked (grey).
+MIN_CLUSTERS = 3
+
+
+def policy_labels(df: pd.DataFrame) -> pd.Series:
+    """``score / design`` per row; designs that ignore the score are labelled once,
+    ``bernoulli (any score)`` (see :mod:`tracesim.policies.equivalence`)."""
+    score = df["score"].astype(str)
+    design = df["design"].astype(str)
+    mixture = pd.to_numeric(df["mixture"], errors="coerce") if "mixture" in df else \
+        pd.Series(np.nan, index=df.index)
+    free = (design == "bernoulli") | (mixture == 1.0)
+    if "top_fraction" in df:
+        free &= pd.to_numeric(df["top_fraction"], errors="coerce").fillna(0) == 0
+    if "allocator" in df:
+        free &= df["allocator"].astype(str) != "adakv"
+    label = score + " / " + design
+    return label.where(~free, design + " (any score)")
+
+
+def _certified(df: pd.DataFrame) -> pd.DataFrame:
+    ok = df["certified"].astype(bool) & df["cert2"].notna() & df["err2"].notna()
+    return df[ok & (df["cert2"] > 0)]
+
+
+def certificate_error_figure(results: pd.DataFrame) -> tuple[bytes, str] | None:
+    """Realised error |ô − o| against the certificate C = sqrt(tr V̂), log–log, with y = x."""
+    df = _certified(results)
+    if df.empty:
+        return None
+    plt = _plt()
+    designs = sorted(df["design"].unique())
+    fig, axes = plt.subplots(1, len(designs), figsize=(4.4 * len(designs), 4.0), squeeze=False,
+                             sharex=True, sharey=True)
+    c_all = np.sqrt(df["cert2"].to_numpy(float))
+    e_all = np.sqrt(df["err2"].to_numpy(float))
+    pos = np.concatenate([c_all[c_all > 0], e_all[e_all > 0]])
+    lo, hi = np.quantile(pos, [0.001, 0.999]) if pos.size else (1e-3, 1.0)
+    lo, hi = lo / 2, hi * 2
+    edges = np.geomspace(lo, hi, 40)
+    ratios = []
+    for ax, design in zip(axes[0], designs, strict=True):
+        g = df[df["design"] == design]
+        c = np.sqrt(g["cert2"].to_numpy(float))
+        e = np.sqrt(g["err2"].to_numpy(float))
+        e_plot = np.clip(e, lo, hi)
+        h, _, _ = np.histogram2d(np.clip(c, lo, hi), e_plot, bins=[edges, edges])
+        ax.pcolormesh(edges, edges, np.ma.masked_equal(h.T, 0), cmap="Greys",
+                      norm=_log_norm(h.max()))
+        ax.plot([lo, hi], [lo, hi], "r-", lw=1, label="y = x")
+        # Median realised error per certificate decile (rows with a positive certificate).
+        q = np.unique(np.quantile(c, np.linspace(0, 1, 11)))
+        idx = np.clip(np.searchsorted(q, c, side="right") - 1, 0, len(q) - 2)
+        med = [(np.median(c[idx == k]), np.median(e[idx == k])) for k in range(len(q) - 1)
+               if (idx == k).any()]
+        if med:
+            mx, my = zip(*med, strict=True)
+            ax.plot(mx, np.clip(my, lo, hi), "o-", color="tab:blue", ms=4,
+                    label="median per certificate decile")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_xlabel("certificate C = sqrt(tr V̂) (value units)")
+        ax.set_title(f"{design}: {len(g)} rows, {g['sequence_id'].nunique()} seq.", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+        ratios.append(f"{design} {np.median(e / np.sqrt(g['cert2'].to_numpy(float))):.2f}")
+    axes[0][0].set_ylabel("realised error |ô − o| (value units)")
+    caption = ("Certificate against realised error, one point per certified (sequence, layer, "
+               "head, query, configuration) row, log–log; grey shading counts rows (log "
+               "scale), blue dots are medians per certificate decile, the red line is y = x. "
+               "A calibrated certificate puts the medians slightly below the line (|e| is "
+               "about C at the mean, the median of a norm is smaller). Median |e|/C: "
+               + ", ".join(ratios) + ". Rows with a zero certificate (nothing sampled) are "
+               "left out; errors outside the axes are drawn at the border.")
+    return _png(fig), caption
+
+
+def _log_norm(vmax: float):
+    from matplotlib.colors import LogNorm
+
+    return LogNorm(vmin=1, vmax=max(vmax, 2))
+
+
+def coverage_level_figure(results: pd.DataFrame,
+                          head_dim: int | None = None) -> tuple[bytes, str] | None:
+    """Empirical coverage of |e| <= z C across nominal levels (``calibration_curve``)."""
+    df = _certified(results)
+    if df.empty:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.2, 4.2))
+    levels = np.linspace(0.5, 0.99, 50)
+    d = int(head_dim) if head_dim else 64
+    # A calibrated Gaussian error with tr V = C^2 covers with P(chi2_nu / nu <= z^2), where the
+    # effective dof nu lies in [1, d]: nu = 1 is the diagonal, nu = d equal variances.
+    z2 = stats.norm.ppf((1 + levels) / 2) ** 2
+    ax.fill_between(levels, levels, stats.chi2.cdf(z2 * d, d), color="0.85",
+                    label=f"calibrated, effective dof 1..{d}")
+    ax.plot(levels, levels, "k--", lw=1, label="y = x (dof 1)")
+    for design, g in df.groupby("design"):
+        t = np.sqrt(g["err2"].to_numpy(float) / g["cert2"].to_numpy(float))
+        lv, emp = calibration_curve(t, levels)
+        ax.plot(lv, emp, lw=1.8, label=f"{design} ({g['sequence_id'].nunique()} seq.)")
+    ax.set_xlabel("nominal level")
+    ax.set_ylabel("share of rows with |e| <= z C")
+    ax.set_xlim(0.5, 1.0)
+    ax.set_ylim(0.0, 1.01)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("coverage against nominal level")
+    caption = ("Coverage against nominal level: for each level, the share of certified rows "
+               "whose realised error norm |e| lies within z_{(1+level)/2} times the "
+               "certificate C (analysis.coverage.calibration_curve of |e|/C). For a "
+               "d-dimensional head output the calibrated curve depends on how the variance "
+               "spreads over coordinates: the grey band runs from one dominant coordinate "
+               f"(the diagonal) to {d} equal ones, the two extremes (other spreads fall close "
+               "to it). A curve well below the band means the certificate is too small; well "
+               "above it, conservative. Rows are not independent "
+               "(one sequence gives many), so the curve has no interval; the C1 figure has "
+               "cluster-robust ones.")
+    return _png(fig), caption
+
+
+def accuracy_budget_figure(outcomes: pd.DataFrame) -> tuple[bytes, str] | None:
+    """End-to-end accuracy against budget, one line per policy, with the full cache."""
+    if outcomes.empty or "budget" not in outcomes:
+        return None
+    df = outcomes.copy()
+    df["label"] = policy_labels(df)
+    if "schedule" in df:
+        sched = df["schedule"].astype(str)
+        df.loc[sched != "oneshot", "label"] += " (" + sched[sched != "oneshot"] + ")"
+    ev = df[df["score"] != "full"]
+    ev = ev[pd.to_numeric(ev["budget"], errors="coerce").notna()]
+    if ev.empty:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    n_seq = df["sequence_id"].nunique()
+    groups = list(ev.groupby("label"))
+    budgets = pd.to_numeric(ev["budget"]).to_numpy(float)
+    # Policies often tie (accuracy moves in steps of 1/n): dodge them sideways to keep each
+    # line visible; the dodge is a small share of the budget range.
+    width = 0.012 * max(float(np.ptp(budgets)), 0.1)
+    markers = "osD^vP*Xh<>"
+    for i, (label, g) in enumerate(groups):
+        per = g.groupby(["budget", "sequence_id"])["correct"].mean().groupby(level=0)
+        m, s, k = per.mean(), per.std(ddof=1), per.size()
+        err = (s / np.sqrt(k)).fillna(0).to_numpy() * 1.96
+        x = m.index.to_numpy(float) + (i - (len(groups) - 1) / 2) * width
+        y = m.to_numpy(float)
+        yerr = np.vstack([np.minimum(err, y), np.minimum(err, 1 - y)])  # stay inside [0, 1]
+        ax.errorbar(x, y, yerr=yerr, marker=markers[i % len(markers)],
+                    capsize=3, label=label, alpha=0.85)
+    full = df.drop_duplicates("sequence_id")["full_correct"].astype(float).mean() \
+        if "full_correct" in df else np.nan
+    if np.isfinite(full):
+        ax.axhline(full, color="k", ls="--", lw=1, label=f"full cache ({full:.2f})")
+    ax.set_xlabel("budget (fraction of the context)")
+    ax.set_ylabel("accuracy (share correct)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("end-to-end accuracy against budget")
+    caption = (f"End-to-end accuracy against budget per policy, from the in-loop outcomes "
+               f"({n_seq} sequence{'s' if n_seq != 1 else ''}): mean over sequences of each "
+               "sequence's share of correct answers (over seeds), with ±1.96 standard errors "
+               "across sequences, cut at 0 and 1 (none with one sequence); the dashed line "
+               "is the full cache on the same sequences. Points are dodged sideways so that "
+               "tied policies stay visible. With few sequences the points move in steps of "
+               "1/n.")
+    return _png(fig), caption
+
+
+def coverage_heatmap(results: pd.DataFrame, column: str, nominal: float,
+                     min_clusters: int = MIN_CLUSTERS) -> tuple[bytes, str] | None:
+    """Coverage per (layer, query head), one panel per certified design, fixed diverging
+    scale centred on nominal; cells with fewer than ``min_clusters`` sequences are masked."""
+    df = _certified(results)
+    if df.empty or column not in df or df[column].notna().sum() == 0:
+        return None
+    from matplotlib.colors import TwoSlopeNorm
+
+    df = df[df[column].notna()]
+    plt = _plt()
+    designs = sorted(df["design"].unique())
+    layers = np.sort(df["layer"].unique())
+    heads = np.sort(df["head"].unique())
+    fig, axes = plt.subplots(1, len(designs), figsize=(0.5 + 0.35 * len(heads) * len(designs)
+                                                      + 1.5 * len(designs),
+                                                      1.2 + 0.16 * len(layers)),
+                             squeeze=False)
+    lo = 0.0
+    norm = TwoSlopeNorm(vcenter=nominal, vmin=lo, vmax=1.0)
+    cmap = plt.get_cmap("RdBu").with_extremes(bad="0.8")
+    ns = []
+    im = None
+    for ax, design in zip(axes[0], designs, strict=True):
+        g = df[df["design"] == design]
+        cov = g.pivot_table(index="layer", columns="head", values=column, aggfunc="mean")
+        nseq = g.pivot_table(index="layer", columns="head", values="sequence_id",
+                             aggfunc="nunique")
+        rows = g.pivot_table(index="layer", columns="head", values=column, aggfunc="size")
+        cov = cov.reindex(index=layers, columns=heads)
+        nseq = nseq.reindex(index=layers, columns=heads).fillna(0)
+        rows = rows.reindex(index=layers, columns=heads).fillna(0)
+        masked = np.ma.masked_where(nseq.to_numpy() < min_clusters, cov.to_numpy(float))
+        im = ax.imshow(masked, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+        ax.set_xticks(range(len(heads)), heads, fontsize=7)
+        step = max(1, len(layers) // 10)
+        ax.set_yticks(range(0, len(layers), step), layers[::step], fontsize=7)
+        ax.set_xlabel("query head")
+        ax.set_title(f"{design}", fontsize=9)
+        r = rows.to_numpy()[rows.to_numpy() > 0]
+        span = f"{int(r.min())}" if r.min() == r.max() else f"{int(r.min())}–{int(r.max())}"
+        ns.append(f"{design}: {span} rows and "
+                  f"{int(nseq.to_numpy().max())} sequences per cell, "
+                  f"{int((nseq.to_numpy() < min_clusters).sum())} of {nseq.size} cells masked")
+        if len(heads) * len(layers) <= 120:
+            for (i, j), v in np.ndenumerate(rows.to_numpy()):
+                ax.text(j, i, f"{int(v)}", ha="center", va="center", fontsize=5, color="0.2")
+    axes[0][0].set_ylabel("layer")
+    fig.colorbar(im, ax=list(axes[0]), label=f"coverage ({column}); nominal {nominal:g}",
+                 shrink=0.9)
+    caption = (f"Coverage per (layer, query head): mean of {column} over the certified rows "
+               f"of each cell. The colour scale is fixed — white at the nominal {nominal:g}, "
+               f"red below down to {lo:g}, blue above up to 1 — and the same in every panel, "
+               "so a noisy small run shows pale colours rather than invented contrast. Cells "
+               f"backed by fewer than {min_clusters} sequences are grey. " + "; ".join(ns)
+               + ". Rows within a cell share sequences, so a single dark cell is weak "
+               "evidence; look for whole layers or heads.")
+    return _png(fig), caption
