@@ -41,7 +41,31 @@ _LAZY: dict[str, str] = {
     "replay": "tracesim.replay",
 }
 
-__all__ = sorted([*_LAZY, "__version__"])
+__all__ = [
+    "AttentionEstimate",
+    "Bernoulli",
+    "Design",
+    "ModelMeta",
+    "OrderSampling",
+    "OutputSpaceCertificate",
+    "PoissonPPS",
+    "TopK",
+    "TraceStore",
+    "TraceWriter",
+    "__version__",
+    "bootstrap_certificate",
+    "full_attention",
+    "hajek_attention",
+    "inclusion_probabilities",
+    "make_design",
+    "open_store",
+    "output_space_certificate",
+    "permanent_uniforms",
+    "replay",
+    "satterthwaite_covered",
+    "validate_store",
+    "wald_covered",
+]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from tracesim.certificates import (
