@@ -12,8 +12,9 @@ head dimension (``d/2`` content dimensions, ``d/2`` positional dimensions); see 
   logit gains ``b_local * mean_f cos(theta_f (t - j))``, which decays over about
   :data:`LOCAL_WINDOW` positions;
 * retrieval heads: on a random :data:`RETRIEVAL_FRACTION` of the query heads, every decode query
-  adds a spike along the (stored) key of one random far token, lifting that token's logit by
-  ``log(t + 1) + RETRIEVAL_MARGIN``, so that one token takes most of the attention.
+  adds a spike along the (stored) key of one random far token, scaled so that the token's logit
+  exceeds the log-sum-exp of all other visible logits by :data:`RETRIEVAL_MARGIN` (the token
+  then takes about 95% of the attention).
 
 Model properties (directions, per-head strengths, retrieval heads, o_proj) depend only on
 ``(seed, layer)``; token-level draws depend on ``(seed, sequence, layer, head, chunk)``, so a store
@@ -115,7 +116,7 @@ def layer_model(seed: int, layer: int, n_heads: int, n_kv_heads: int, head_dim: 
     return LayerModel(
         head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads, scale=head_dim**-0.5,
         sink_dir=sink, heavy_dir=heavy,
-        b_sink=rng.uniform(4.0, 8.0, n_heads), b_heavy=rng.uniform(1.0, 4.0, n_heads),
+        b_sink=rng.uniform(6.0, 11.0, n_heads), b_heavy=rng.uniform(1.0, 4.0, n_heads),
         b_local=rng.uniform(1.0, 5.0, n_heads), retrieval=retrieval, theta=theta)
 
 
@@ -184,10 +185,36 @@ def queries(m: LayerModel, seed: int, sequence: int, layer: int, head: int,
         if keys is None or far_limit is None:
             raise ValueError("retrieval queries need keys and far_limit")
         hi = max(N_SINKS + 1, int(far_limit))
+        k64 = np.asarray(keys, dtype=np.float64)
         for r in np.flatnonzero(positions >= decode_from):
             t = int(positions[r])
             target = int(rng.integers(N_SINKS, min(hi, t)))
-            k = np.asarray(keys[target], dtype=np.float64)
-            lift = np.log(t + 1.0) + RETRIEVAL_MARGIN
-            q[r] += lift / (m.scale * float(k @ k)) * k
+            q[r] += _spike(q[r], k64[:t + 1], target, m.scale)
     return q
+
+
+def _spike(q: np.ndarray, keys: np.ndarray, target: int, scale: float) -> np.ndarray:
+    """``beta * keys[target]`` such that, after adding it to ``q``, the target's logit exceeds the
+    log-sum-exp of every other visible logit by :data:`RETRIEVAL_MARGIN` (Newton on ``beta``)."""
+    k = keys[target]
+    s0 = scale * (keys @ q)
+    c = scale * (keys @ k)
+    others = np.ones(keys.shape[0], dtype=bool)
+    others[target] = False
+    s0_o, c_o = s0[others], c[others]
+
+    def lse(x: np.ndarray) -> float:
+        top = x.max()
+        return float(top + np.log(np.exp(x - top).sum()))
+
+    beta = max(0.0, (RETRIEVAL_MARGIN + lse(s0_o) - s0[target]) / c[target])
+    for _ in range(20):
+        s = s0_o + beta * c_o
+        w = np.exp(s - s.max())
+        w /= w.sum()
+        f = s0[target] + beta * c[target] - lse(s) - RETRIEVAL_MARGIN
+        slope = c[target] - float(w @ c_o)
+        if abs(f) < 1e-6 or slope <= 0:
+            break
+        beta = max(0.0, beta - f / slope)
+    return beta * k
