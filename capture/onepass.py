@@ -126,49 +126,56 @@ def onepass_attention(
     G = H // n_kv
     dev = key.device
     f32 = torch.float32
-    q = query.reshape(n_kv, G, d).to(f32)
+    q = query.reshape(n_kv, G, d).to(f32) * scaling
     certified = weight is not None
     want_layer = certified and gram is not None
     if want_layer and quad is None:
         raise ValueError("the output-space certificate needs quad (pair_quadratic_forms)")
     first, second = pairs(G)
     n_pair = first.numel() if want_layer else G  # the G diagonal pairs come first
+    off_first, off_second = first[G:n_pair].to(dev), second[G:n_pair].to(dev)
     first, second = first[:n_pair].to(dev), second[:n_pair].to(dev)
-    m = torch.full((n_kv, G), float("-inf"), dtype=f32, device=dev)
-    l = torch.zeros(n_kv, G, dtype=f32, device=dev)
+    # Rows of the shared product: p (G), pair rows w p_h p_h' (n_pair), fixed-size w p (G).
+    fixed_at = G + n_pair
     n_rows = G + (n_pair + (G if fixed_size else 0) if certified else 0)
+    m = torch.full((n_kv, G), float("-inf"), dtype=f32, device=dev)
     acc = torch.zeros(n_kv, n_rows, d, dtype=f32, device=dev)  # numerators
     sums = torch.zeros(n_kv, n_rows, dtype=f32, device=dev)  # sum of each row's weights
-    acc_vsq = torch.zeros(n_kv, G, dtype=f32, device=dev)  # diagonal rows times ||v||^2
+    acc_vsq = torch.zeros(n_kv, G, 1, dtype=f32, device=dev)  # diagonal rows times ||v||^2
     acc_quad = torch.zeros(n_kv, n_pair, dtype=f32, device=dev)  # pair rows times q_hh'
     for a in range(0, T, block):
         b = min(T, a + block)
         kb, vb = key[:, a:b].to(f32), value[:, a:b].to(f32)
-        s = torch.matmul(q, kb.transpose(1, 2)) * scaling + bias[:, None, a:b].to(f32)
+        s = torch.baddbmm(bias[:, None, a:b].to(f32).expand(n_kv, G, b - a), q,
+                          kb.transpose(1, 2))
         m_new = torch.maximum(m, s.amax(-1))
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - safe)  # (H_kv, G); 0 while nothing was seen
-        p = torch.exp(s - safe[..., None])  # (H_kv, G, B)
-        l = l * alpha + p.sum(-1)
+        R = torch.empty(n_kv, n_rows, b - a, dtype=f32, device=dev)
+        p = torch.sub(s, safe[..., None], out=R[:, :G]).exp_()
         if certified:
-            wp = weight[:, None, a:b].to(f32) * p
-            pair_rows = wp[:, first] * p[:, second]  # (H_kv, n_pair, B)
-            R = torch.cat([p, pair_rows, wp] if fixed_size else [p, pair_rows], dim=1)
+            w = weight[:, None, a:b].to(f32)
+            wp = torch.mul(p, w, out=R[:, fixed_at:]) if fixed_size else p * w
+            torch.mul(wp, p, out=R[:, G:2 * G])
+            if want_layer:
+                torch.mul(wp[:, off_first], p[:, off_second], out=R[:, 2 * G:fixed_at])
             alpha2 = alpha[:, first] * alpha[:, second]
             scale_rows = torch.cat([alpha, alpha2, alpha] if fixed_size else [alpha, alpha2], 1)
             vsq = value_sq[:, a:b].to(f32) if value_sq is not None else (vb * vb).sum(-1)
-            diag = pair_rows[:, :G]
-            acc_vsq = acc_vsq * alpha2[:, :G] + torch.matmul(diag, vsq[..., None])[..., 0]
+            acc_vsq = torch.baddbmm(acc_vsq * alpha2[:, :G, None], R[:, G:2 * G],
+                                    vsq[..., None])
             if want_layer:
-                acc_quad = acc_quad * alpha2 + (pair_rows * quad[:, :, a:b].to(f32)).sum(-1)
+                acc_quad = acc_quad * alpha2 + (R[:, G:fixed_at] * quad[:, :, a:b].to(f32)).sum(-1)
         else:
-            R, scale_rows = p, alpha
-        acc = acc * scale_rows[..., None] + torch.bmm(R, vb)
+            scale_rows = alpha
+        acc = torch.baddbmm(acc * scale_rows[..., None], R, vb)
         sums = sums * scale_rows + R.sum(-1)
         m = m_new
+    l = sums[:, :G]
     out = acc[:, :G] / l[..., None]  # (H_kv, G, d)
     if not certified:
         return out.reshape(H, d), None, None
+    acc_vsq = acc_vsq[..., 0]
     # Primary certificate from the diagonal pairs: (S2 - 2 o.S1 + |o|^2 S0) / l^2.
     s0, s1 = sums[:, G:2 * G], acc[:, G:2 * G]
     cert = ((acc_vsq - 2 * (out * s1).sum(-1) + (out * out).sum(-1) * s0) / (l * l)).clamp_min(0)
