@@ -9,9 +9,10 @@ the sampled tail (weights ``w_i = 1 - pi_i``, 0 for take-all, evicted and genera
 with ``p_i = exp(s_i - m)`` the unnormalized Hájek weights (logits ``s_i`` include the
 ``-log pi_i`` offset). With ``a_i = p_i / l`` and the output ``o = sum_i p_i v_i / l``, the
 primary certificate is then ``C^2 = (S2 - 2 o . S1 + ||o||^2 S0) / l^2``, the same number as the
-two-pass form ``sum_S (1 - pi_i) a_i^2 ||v_i - o||^2`` (:func:`capture.enforce.
-serving_certificates`). When the running maximum grows from ``m`` to ``m'`` the first-order sums
-are rescaled by ``alpha = exp(m - m')`` and the second-order ones by ``alpha^2``.
+two-pass form ``sum_S (1 - pi_i) a_i^2 ||v_i - o||^2``
+(:func:`capture.enforce.serving_certificates`). When the running maximum grows from ``m`` to
+``m'`` the first-order sums are rescaled by ``alpha = exp(m - m')`` and the second-order ones by
+``alpha^2``.
 
 The extra rows share the output's matrix product: per KV head and key block, one ``(rows, B) @
 (B, d)`` product gives the output numerator and every certificate sum, so the values are read

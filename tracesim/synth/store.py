@@ -13,7 +13,17 @@ from tracesim.store import ModelMeta, TraceWriter
 from tracesim.store.format import storage_dtype
 
 from .attention import causal_attention, weighted_attention_sums
-from .model import CHUNK, LOCAL_WINDOW, key_chunk, layer_model, queries, rng_for
+from .model import (
+    _H2O,
+    _OPROJ,
+    _ROW,
+    CHUNK,
+    LOCAL_WINDOW,
+    key_chunk,
+    layer_model,
+    queries,
+    rng_for,
+)
 
 __all__ = ["SHAPES", "SynthConfig", "write_synthetic_store"]
 
@@ -124,7 +134,7 @@ def _h2o_sample(cfg: SynthConfig, sequence: int, layer: int) -> tuple[np.ndarray
     edges = np.round(np.linspace(0, pl, n + 1)).astype(np.int64)
     if n == pl:
         return np.arange(pl, dtype=np.int64), np.ones(pl)
-    rng = rng_for(cfg.seed, 5, sequence, layer)
+    rng = rng_for(cfg.seed, _H2O, sequence, layer)
     pos = edges[:-1] + (rng.random(n) * np.diff(edges)).astype(np.int64)
     return pos, np.diff(edges).astype(np.float64)
 
@@ -179,14 +189,14 @@ def _o_proj(cfg: SynthConfig) -> np.ndarray | None:
     cols = m.n_heads * m.head_dim
     out = np.empty((m.n_layers, m.hidden_size, cols), dtype=np.float32)
     for layer in range(m.n_layers):
-        rng = rng_for(cfg.seed, 3, layer)
+        rng = rng_for(cfg.seed, _OPROJ, layer)
         out[layer] = rng.standard_normal((m.hidden_size, cols), dtype=np.float32)
         out[layer] *= np.float32(cols**-0.5)
     return out
 
 
 def _row(cfg: SynthConfig, sequence: int) -> dict:
-    rng = rng_for(cfg.seed, 4, sequence)
+    rng = rng_for(cfg.seed, _ROW, sequence)
     qpos, roles = cfg.query_layout()
     n_gen = cfg.decode + 1
     return dict(
