@@ -3,11 +3,13 @@
 Each subcommand lives in the module that owns it and exposes ``register(subparsers)``, which adds
 its parser and sets ``func`` to a callable taking the parsed namespace and returning an exit code.
 
-Adding a subcommand is one line in :data:`SUBCOMMANDS`: ``(name, module, one-line help)``. The
-module is imported only when its subcommand is chosen (``tracesim NAME ...`` or
-``tracesim NAME --help``); ``tracesim --help`` lists the names and help lines from the table alone,
-so it imports nothing heavy. Modules listed here must not import torch at import time, and the
-help line should match the one the module registers (``tests/test_cli.py`` checks both).
+Adding a subcommand is one line in :data:`_SUBCOMMAND_MODULES` (the module). A module is
+imported only when its subcommand is chosen (``tracesim NAME ...``, ``tracesim NAME --help``),
+provided :data:`_COMMANDS` gives its subcommand name and help line: ``tracesim --help`` then
+lists it from that table alone and imports nothing heavy. A module without a ``_COMMANDS`` line
+still works, but is imported by every invocation. Modules listed here must not import torch at
+import time, and each help line should match the one its module registers (``tests/test_cli.py``
+checks both).
 """
 
 from __future__ import annotations
@@ -16,25 +18,38 @@ import argparse
 import importlib
 import sys
 
-# (subcommand, module whose ``register`` adds it, help line shown by ``tracesim --help``)
-SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("capture", "capture.cli", "record attention traces of a model on generated long-context "
-     "tasks"),
-    ("validate", "tracesim.store.cli", "check a trace store (schema, shapes, checksums, NaN/Inf, "
-     "boundaries)"),
-    ("replay", "tracesim.replay.cli", "replay eviction policies over a trace store (Parquet "
-     "results)"),
-    ("sweep", "tracesim.sweep.cli", "run a declarative sweep (YAML spec) locally or on Dask; "
-     "resumable"),
-    ("adversary", "tracesim.adversary", "claim C0: perturb evicted values; top-k cannot see it"),
-    ("evict", "capture.evict_run", "run eviction policies inside the model and record "
-     "end-to-end outcomes"),
-    ("report", "analysis.cli", "evaluate the pre-registered claims; write the report (Markdown "
-     "+ standalone HTML)"),
-    ("demo", "tracesim.demo", "the main job: capture -> sweep -> evict -> report"),
-    ("synth", "tracesim.synth.cli", "write a synthetic trace store (sinks, local window, heavy "
-     "hitters, retrieval heads)"),
+# Modules whose ``register`` adds a subcommand, in ``tracesim --help`` order.
+_SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "capture.cli",
+    "tracesim.store.cli",
+    "tracesim.replay.cli",
+    "tracesim.sweep.cli",
+    "tracesim.adversary",
+    "capture.evict_run",
+    "analysis.cli",
+    "tracesim.demo",
+    "tracesim.synth.cli",
 )
+
+# module -> (subcommand, help line of ``tracesim --help``): these modules load lazily.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "capture.cli": ("capture", "record attention traces of a model on generated long-context "
+                    "tasks"),
+    "tracesim.store.cli": ("validate", "check a trace store (schema, shapes, checksums, "
+                           "NaN/Inf, boundaries)"),
+    "tracesim.replay.cli": ("replay", "replay eviction policies over a trace store (Parquet "
+                            "results)"),
+    "tracesim.sweep.cli": ("sweep", "run a declarative sweep (YAML spec) locally or on Dask; "
+                           "resumable"),
+    "tracesim.adversary": ("adversary", "claim C0: perturb evicted values; top-k cannot see it"),
+    "capture.evict_run": ("evict", "run eviction policies inside the model and record "
+                          "end-to-end outcomes"),
+    "analysis.cli": ("report", "evaluate the pre-registered claims; write the report (Markdown "
+                     "+ standalone HTML)"),
+    "tracesim.demo": ("demo", "the main job: capture -> sweep -> evict -> report"),
+    "tracesim.synth.cli": ("synth", "write a synthetic trace store (sinks, local window, heavy "
+                           "hitters, retrieval heads)"),
+}
 
 
 def _version() -> str:
@@ -45,41 +60,39 @@ def _version() -> str:
 
 def _chosen(argv: list[str]) -> str | None:
     """The subcommand named in ``argv`` (the first argument that is not an option)."""
-    names = {name for name, _, _ in SUBCOMMANDS}
     for arg in argv:
         if arg == "--":
             return None
         if not arg.startswith("-"):
-            return arg if arg in names else None
+            return arg
     return None
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """Top-level parser; only ``command``'s module is imported (all of them if ``"*"``).
-
-    The other subcommands are listed with the help line of :data:`SUBCOMMANDS`.
-    """
+    """Top-level parser; imports ``command``'s module (every module if ``"*"``) and the modules
+    without a :data:`_COMMANDS` line; the others are listed with their table help line."""
     parser = argparse.ArgumentParser(
         prog="tracesim",
         description="Simulation and statistics over recorded attention traces.",
     )
     parser.add_argument("--version", action="version", version=f"tracesim {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name, help_line in SUBCOMMANDS:
-        if command in (name, "*"):
-            try:
-                module = importlib.import_module(module_name)
-            except ModuleNotFoundError as exc:
-                # A missing optional module only disables its subcommand; a broken one surfaces.
-                if exc.name is None or not module_name.startswith(exc.name):
-                    raise
-                if command == "*":
-                    continue
-                parser.error(f"subcommand {name!r} is not available: module {exc.name!r} is "
-                             "not installed")
-            module.register(subparsers)
-        else:
-            subparsers.add_parser(name, help=help_line, add_help=False)
+    for module_name in _SUBCOMMAND_MODULES:
+        entry = _COMMANDS.get(module_name)
+        if entry is not None and command not in (entry[0], "*"):
+            subparsers.add_parser(entry[0], help=entry[1], add_help=False)
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            # A missing optional module only hides its subcommand; a broken one surfaces.
+            if exc.name is None or not module_name.startswith(exc.name):
+                raise
+            if entry is not None and command == entry[0]:
+                parser.error(f"subcommand {entry[0]!r} is not available: module {exc.name!r} "
+                             "is not installed")
+            continue
+        module.register(subparsers)
     return parser
 
 
