@@ -14,10 +14,12 @@ arithmetic to transformers' SDPA path and, when a :class:`CaptureState` is attac
 The state is attached to the attention modules of one model for the duration of one run, never
 kept in a module-level global, so runs cannot leak into each other.
 
-Enforcement extension point: :attr:`CaptureState.bias_fn` may return an additive fp32 bias per KV
+Enforcement extension points: :attr:`CaptureState.bias_fn` may return an additive fp32 bias per KV
 head, ``(n_kv_heads, q_len, kv_len)`` (``-inf`` for evicted keys, ``-log pi`` for sampled tail
-keys); it is broadcast over each GQA group and added to the causal mask before SDPA. Recording then
-sees the enforced outputs. No eviction policy lives here.
+keys); it is broadcast over each GQA group and added to the causal mask before SDPA. A subclass
+may also override :meth:`CaptureState.attend` to compute a call's output itself (the one-pass
+certified decode attention does). Recording then sees the enforced outputs. No eviction policy
+lives here.
 """
 
 from __future__ import annotations
@@ -155,6 +157,21 @@ class CaptureState:
     def bias(self, layer: int, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         """The enforcement bias for this call, ``(n_kv_heads, q_len, kv_len)``, or None."""
         return None if self.bias_fn is None else self.bias_fn(layer, positions, kv_len)
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor | None:
+        """Compute this call's attention output ``(1, q_len, H, D)`` instead of SDPA, or None.
+
+        The default defers to SDPA; :class:`capture.enforce.EvictionState` computes decode steps
+        itself so that their certificates come out of the same pass.
+        """
+        return None
 
     def record(
         self,
@@ -314,9 +331,12 @@ def capture_attention_forward(
     if bias is not None:
         group = query.shape[1] // key.shape[1]
         mask = _with_bias(attention_mask, bias.to(query.device), group, q_len, query.dtype)
-    out, weights = sdpa_attention_forward(
-        module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
-    )
+    out = state.attend(layer, query, key, value, float(scaling))
+    weights = None
+    if out is None:
+        out, weights = sdpa_attention_forward(
+            module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     state.record(layer, query, key, value, out, attention_mask, float(scaling))
     return out, weights
 

@@ -13,8 +13,11 @@ At each decode step it also computes, in torch, from what the cache retains only
   ``sum_g sum_{i in S_g} (1 - pi_i) || sum_{h in g} a_{h,i} W_O,h (v_i - o_hat_h) ||^2``
   through each group's Gram matrix ``W_g^T W_g``.
 
-Both use the residuals ``v_i - o_hat`` (two passes over the retained values), matching the
-offline estimator to float32 rounding.
+By default a certified decode step computes the attention output and both certificates in one
+blocked pass over the cache (:func:`capture.onepass.onepass_attention`, online-softmax rescaling
+of ``sum c``, ``sum c v`` and ``sum c ||v||^2``), instead of SDPA followed by a second pass over
+the residuals ``v_i - o_hat`` (:func:`serving_certificates`, kept as the reference and used with
+``one_pass=False``). Both match the offline estimator to float32 rounding.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from capture.attention import CaptureState
+from capture.onepass import onepass_attention, pair_quadratic_forms
 
 __all__ = ["EvictionState", "LayerPlan", "serving_certificates"]
 
@@ -171,12 +175,16 @@ class EvictionState(CaptureState):
         Decode positions at which ``replan`` is called (decode-time eviction schedules).
     replan : callable, optional
         ``replan(tau) -> plans`` for the cache holding positions ``< tau``.
+    one_pass : bool
+        Compute certified decode steps' outputs and certificates in one pass (default); False
+        runs SDPA and then the two-pass :func:`serving_certificates`.
     """
 
     def __init__(self, prompt_length: int, plans: dict[int, LayerPlan],
                  grams: dict[int, torch.Tensor] | None = None, record_positions=(), *,
                  event_times: set[int] | frozenset[int] = frozenset(),
-                 replan: Callable[[int], dict[int, LayerPlan]] | None = None) -> None:
+                 replan: Callable[[int], dict[int, LayerPlan]] | None = None,
+                 one_pass: bool = True) -> None:
         # Decode queries are recorded when later events need them for scoring.
         super().__init__(prompt_length, record_positions, bias_fn=self._bias,
                          record_from=prompt_length if replan is not None else None)
@@ -189,6 +197,9 @@ class EvictionState(CaptureState):
         # Per decode step: {layer: (certificate_sq per head (H,), layer certificate_sq)}.
         self.certificates: list[dict[int, tuple[np.ndarray, float]]] = []
         self._step_certs: dict[int, tuple[np.ndarray, float]] = {}
+        self.one_pass = bool(one_pass)
+        # layer -> (plan, per-plan device tensors of the one-pass path)
+        self._onepass_inputs: dict[int, tuple[LayerPlan, dict[str, torch.Tensor]]] = {}
 
     def begin_step(self, start: int, stop: int) -> None:
         if self._step_certs:
@@ -216,12 +227,58 @@ class EvictionState(CaptureState):
         bias[:, :, :width] = plan.bias[:, None, :width]
         return bias
 
-    def record(self, layer, query, key, value, output, mask, scaling) -> None:
-        super().record(layer, query, key, value, output, mask, scaling)
+    def _certified_step(self, layer: int, query: torch.Tensor, key: torch.Tensor
+                        ) -> LayerPlan | None:
         plan = self.plans.get(layer)
         q_len, kv_len = query.shape[2], key.shape[2]
         if plan is None or not plan.certified or q_len != 1 or kv_len <= self.prompt_length:
-            return
+            return None
+        return plan
+
+    def _plan_inputs(self, layer: int, plan: LayerPlan, value: torch.Tensor
+                     ) -> dict[str, torch.Tensor]:
+        """Query-independent tensors of a plan, computed once on its first decode step:
+        bias, tail weights ``1 - pi``, ``||v||^2`` and (output space) the pair forms."""
+        cached = self._onepass_inputs.get(layer)
+        if cached is not None and cached[0] is plan:
+            return cached[1]
+        dev = value.device
+        P = plan.bias.shape[1]
+        tail = plan.kept & (plan.pi < 1)
+        weight = torch.where(tail, 1.0 - plan.pi, torch.zeros_like(plan.pi)).float().to(dev)
+        v = value[:, :P].float()
+        inputs = {"bias": plan.bias.to(dev), "weight": weight, "value_sq": (v * v).sum(-1)}
+        gram = self.grams.get(layer)
+        if gram is not None:
+            inputs["gram"] = gram.to(dev)
+            inputs["quad"] = pair_quadratic_forms(v, inputs["gram"], weight)
+        self._onepass_inputs[layer] = (plan, inputs)
+        return inputs
+
+    def attend(self, layer, query, key, value, scaling):
+        plan = self._certified_step(layer, query, key) if self.one_pass else None
+        if plan is None:
+            return None
+        x = self._plan_inputs(layer, plan, value[0])
+        pad = (0, key.shape[2] - x["bias"].shape[1])
+        quad = x.get("quad")
+        with torch.no_grad():
+            out, cert, layer_cert = onepass_attention(
+                query[0, :, 0], key[0], value[0], torch.nn.functional.pad(x["bias"], pad),
+                torch.nn.functional.pad(x["weight"], pad), float(scaling),
+                value_sq=torch.nn.functional.pad(x["value_sq"], pad), gram=x.get("gram"),
+                quad=None if quad is None else torch.nn.functional.pad(quad, pad),
+                fixed_size=plan.fixed_size)
+        self._step_certs[layer] = (cert.double().cpu().numpy(),
+                                   float("nan") if layer_cert is None else float(layer_cert))
+        return out.to(query.dtype)[None, None]
+
+    def record(self, layer, query, key, value, output, mask, scaling) -> None:
+        super().record(layer, query, key, value, output, mask, scaling)
+        plan = self._certified_step(layer, query, key)
+        if plan is None or layer in self._step_certs:
+            return  # not certified, or attend() already did it in one pass
+        kv_len = key.shape[2]
         P = plan.bias.shape[1]
         dev = key.device
         bias = torch.nn.functional.pad(plan.bias.to(dev), (0, kv_len - P))

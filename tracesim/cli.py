@@ -2,7 +2,14 @@
 
 Each subcommand lives in the module that owns it and exposes ``register(subparsers)``, which adds
 its parser and sets ``func`` to a callable taking the parsed namespace and returning an exit code.
-Modules listed here must not import torch at import time: ``tracesim --help`` works without it.
+
+Adding a subcommand is one line in :data:`_SUBCOMMAND_MODULES` (the module). A module is
+imported only when its subcommand is chosen (``tracesim NAME ...``, ``tracesim NAME --help``),
+provided :data:`_COMMANDS` gives its subcommand name and help line: ``tracesim --help`` then
+lists it from that table alone and imports nothing heavy. A module without a ``_COMMANDS`` line
+still works, but is imported by every invocation. Modules listed here must not import torch at
+import time, and each help line should match the one its module registers (``tests/test_cli.py``
+checks both).
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ import argparse
 import importlib
 import sys
 
-# (module, description) pairs; the module's ``register`` adds the subcommand.
+# Modules whose ``register`` adds a subcommand, in ``tracesim --help`` order.
 _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "capture.cli",
     "tracesim.store.cli",
@@ -21,13 +28,51 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "capture.evict_run",
     "analysis.cli",
     "tracesim.demo",
+    "tracesim.synth.cli",
     "tracesim.export",
 )
 
+# module -> (subcommand, help line of ``tracesim --help``): these modules load lazily.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "capture.cli": ("capture", "record attention traces of a model on generated long-context "
+                    "tasks"),
+    "tracesim.store.cli": ("validate", "check a trace store (schema, shapes, checksums, "
+                           "NaN/Inf, boundaries)"),
+    "tracesim.replay.cli": ("replay", "replay eviction policies over a trace store (Parquet "
+                            "results)"),
+    "tracesim.sweep.cli": ("sweep", "run a declarative sweep (YAML spec) locally or on Dask; "
+                           "resumable"),
+    "tracesim.adversary": ("adversary", "claim C0: perturb evicted values; top-k cannot see it"),
+    "capture.evict_run": ("evict", "run eviction policies inside the model and record "
+                          "end-to-end outcomes"),
+    "analysis.cli": ("report", "evaluate the pre-registered claims; write the report (Markdown "
+                     "+ standalone HTML)"),
+    "tracesim.demo": ("demo", "the main job: capture -> sweep -> evict -> report"),
+    "tracesim.synth.cli": ("synth", "write a synthetic trace store (sinks, local window, heavy "
+                           "hitters, retrieval heads)"),
+    "tracesim.export": ("export", "export results as CSV or a hive-partitioned Parquet dataset"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level parser with every available subcommand."""
+
+def _version() -> str:
     from tracesim import __version__
+
+    return __version__
+
+
+def _chosen(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first argument that is not an option)."""
+    for arg in argv:
+        if arg == "--":
+            return None
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Top-level parser; imports ``command``'s module (every module if ``"*"``) and the modules
+    without a :data:`_COMMANDS` line; the others are listed with their table help line."""
     from tracesim.cli_docs import Parser
 
     parser = Parser(
@@ -37,23 +82,31 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example (capture -> sweep -> evict -> report on the default model):\n"
         "  tracesim demo --out demo/",
     )
-    parser.add_argument("--version", action="version", version=f"tracesim {__version__}")
+    parser.add_argument("--version", action="version", version=f"tracesim {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in _SUBCOMMAND_MODULES:
+        entry = _COMMANDS.get(module_name)
+        if entry is not None and command not in (entry[0], "*"):
+            subparsers.add_parser(entry[0], help=entry[1], add_help=False)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            # A missing optional module only hides its subcommands; a broken one must surface.
-            if exc.name is not None and module_name.startswith(exc.name):
-                continue
-            raise
+            # A missing optional module only hides its subcommand; a broken one surfaces.
+            if exc.name is None or not module_name.startswith(exc.name):
+                raise
+            if entry is not None and command == entry[0]:
+                parser.error(f"subcommand {entry[0]!r} is not available: module {exc.name!r} "
+                             "is not installed")
+            continue
         module.register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tracesim`` console script."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_chosen(argv))
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()

@@ -143,7 +143,7 @@ def render_markdown(width: int = COLUMNS) -> str:
     from tracesim.cli import build_parser
 
     with _columns(width):
-        parser = build_parser()
+        parser = build_parser("*")
         parsers = list(iter_parsers(parser, "tracesim"))
         helps = [(command, p.format_help()) for command, p in parsers]
     lines = ["# Command-line reference", "",

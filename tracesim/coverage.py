@@ -12,7 +12,7 @@ Two events, pre-register which one is primary:
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
+from scipy import special
 
 from tracesim.estimators import AttentionEstimate
 
@@ -57,13 +57,13 @@ def wald_covered(
         m = np.asarray(result.tail_size, dtype=np.float64)
         factor = _small_sample_factor(result)
         with np.errstate(invalid="ignore"):
-            q = np.where(m > 1, stats.t.ppf(1 - alpha / 2, np.maximum(m - 1, 1)), np.inf)
+            q = np.where(m > 1, special.stdtrit(np.maximum(m - 1, 1), 1 - alpha / 2), np.inf)
         q = np.where(np.asarray(result.tail_population) == 0, 0.0, q)
         with np.errstate(invalid="ignore"):
             half = np.expand_dims(q * np.sqrt(factor), -1) * np.sqrt(var)
         half = np.where(np.isnan(half), np.inf, half)
     else:
-        half = stats.norm.ppf(1 - alpha / 2) * np.sqrt(var)
+        half = special.ndtri(1 - alpha / 2) * np.sqrt(var)
     return err <= half
 
 
@@ -76,7 +76,7 @@ def satterthwaite_quantile(trace: np.ndarray, trace_sq: np.ndarray, alpha: float
     safe_t2 = np.where(positive, trace_sq, 1.0)
     scale = safe_t2 / safe_t
     nu = safe_t**2 / safe_t2
-    return np.where(positive, scale * stats.chi2.ppf(1 - alpha, nu), 0.0)
+    return np.where(positive, scale * special.chdtri(nu, alpha), 0.0)
 
 
 def satterthwaite_covered(

@@ -188,11 +188,13 @@ def run_replay(args: argparse.Namespace) -> int:
         "wall_time_s": elapsed,
         "prereg": None if prereg is None else {"path": str(prereg),
                                                "sha256": sha256_file(prereg)}}, indent=1))
-    table = pq.read_table(path, columns=[
-        "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",
-        "wald_cov", "wald_t_cov", "kept_tokens", "nominal_tokens", "evicted_mass", "n_seeds"])
+    with pq.ParquetFile(path) as fh:  # not read_table, which imports pandas via pyarrow.dataset
+        table = fh.read(columns=[
+            "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",
+            "wald_cov", "wald_t_cov", "kept_tokens", "nominal_tokens", "evicted_mass",
+            "n_seeds", "sequence_id"])
     print(summary_table(table))
-    n_seq = len(pc.unique(pq.read_table(path, columns=["sequence_id"])["sequence_id"]))
+    n_seq = len(pc.unique(table["sequence_id"]))
     print(f"\n{table.num_rows} rows ({len(policies)} policies, {n_seq} sequence(s), "
           f"{args.seeds} seeds) in {elapsed:.1f} s -> {path}")
     return 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  (loaded before the thread limit is applied)
-from scipy import stats
+from scipy import special  # t and normal quantiles (scipy.stats is slow to import)
 from threadpoolctl import threadpool_limits
 
 from tracesim.kernels.bounds import N_BOUND_FIELDS, bound_kernel
@@ -193,9 +193,9 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
                       for p in policies], dtype=np.int64)
     m = np.arange(P + 2, dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        t_table = np.where(m > 1, stats.t.ppf(1 - options.alpha / 2, np.maximum(m - 1, 1)),
+        t_table = np.where(m > 1, special.stdtrit(np.maximum(m - 1, 1), 1 - options.alpha / 2),
                            np.inf)
-    z = float(stats.norm.ppf(1 - options.alpha / 2))
+    z = float(special.ndtri(1 - options.alpha / 2))
     kmask = tables.kmask if tables.kmask.shape[0] else np.zeros((1, trace.n_kv_heads, P),
                                                                  np.uint8)
     truth = np.empty((H, NQ, d))

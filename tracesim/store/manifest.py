@@ -250,7 +250,9 @@ def read_manifest(root: Path) -> pa.Table:
     """Read ``manifest.parquet``, cast to :data:`MANIFEST_SCHEMA`; raise :class:`StoreError`."""
     path = root / MANIFEST_FILE
     try:
-        table = pq.read_table(path)
+        # ParquetFile, not read_table: read_table loads pyarrow.dataset, which imports pandas.
+        with pq.ParquetFile(path) as fh:
+            table = fh.read()
     except FileNotFoundError:
         raise StoreError(f"{root}: {MANIFEST_FILE} is missing") from None
     except (OSError, pa.ArrowException) as exc:

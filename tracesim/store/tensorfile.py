@@ -291,5 +291,7 @@ class TensorFile:
                 f"{self.label}: {what} batch holds {len(column)} bytes "
                 f"({column.null_count} null), expected {n_bytes} for shape {shape} {dtype.name}"
             )
-        raw = column.to_numpy(zero_copy_only=True)
+        # A view of the data buffer (zero copy, read-only); Array.to_numpy would import pandas.
+        raw = np.frombuffer(column.buffers()[1], dtype=np.uint8, count=n_bytes,
+                            offset=column.offset)
         return raw.view(dtype).reshape(shape)
