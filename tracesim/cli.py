@@ -21,6 +21,7 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "capture.evict_run",
     "analysis.cli",
     "tracesim.demo",
+    "tracesim.tiers.cli",
 )
 
 
