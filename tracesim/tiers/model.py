@@ -235,7 +235,12 @@ def memory_model_from_dict(doc: Any, where: str = "tiers.yaml") -> MemoryModel:
                     args[k] = float(args[k])
             if args.get("capacity_gb") in ("inf", ".inf"):
                 args["capacity_gb"] = math.inf
-            tiers.append(Tier(name=str(args.pop("name")), **args))
+            try:
+                tiers.append(Tier(name=str(args.pop("name")), **args))
+            except TierError as exc:
+                raise TierError(f"{where}.tiers[{i}]: {exc}") from None
+            except TypeError as exc:
+                raise TierError(f"{where}.tiers[{i}]: {exc}") from None
         kwargs["lower"] = tuple(tiers)
     try:
         return MemoryModel(**kwargs)

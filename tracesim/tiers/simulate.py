@@ -239,7 +239,7 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
             total = all_bytes.sum()
             # Pages a query cannot see yet (none for decode steps of one-shot eviction) never go.
             visible = np.concatenate([np.arange(hp.page_id.size) < nv
-                                      for hp, nv in zip(heads, n_visible)])
+                                      for hp, nv in zip(heads, n_visible, strict=True)])
             for si, s_name in enumerate(schedulers):
                 if s_name == "none":
                     order = np.zeros(0, dtype=np.int64)
