@@ -29,6 +29,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tiers spec: base policies, seeds, schedulers, fetch budgets, memory "
                         "tiers (no default)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (no default)")
+    p.add_argument("--backend", choices=("local", "dask"), default="local",
+                   help="where the (sequence, policy) parts run (default: local, in this "
+                        "process)")
+    p.add_argument("--workers", type=int, default=2, metavar="N",
+                   help="Dask LocalCluster worker processes, one core each (default: 2)")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="address of an existing Dask scheduler, e.g. tcp://host:8786 "
+                        "(default: start a LocalCluster)")
     p.add_argument("--quiet", action="store_true", help="no per-part progress lines "
                                                          "(default: print them)")
     p.set_defaults(func=run_tiers_command)
@@ -53,6 +61,8 @@ def run_tiers_command(args: argparse.Namespace) -> int:
     store_path = args.store or spec.store
     if store_path is None:
         return _fail("no trace store: give STORE or set 'store' in the spec")
+    if not 1 <= args.workers <= 256:
+        return _fail(f"--workers {args.workers}: expected an int in [1, 256]")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         return _fail(f"--out {out}: exists and is not a directory")
@@ -61,9 +71,10 @@ def run_tiers_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         return _fail(f"{store_path}: cannot open the trace store ({exc})")
     try:
-        summary = run_tiers(spec, store, out,
+        summary = run_tiers(spec, store, out, backend=args.backend, workers=args.workers,
+                            scheduler=args.scheduler,
                             progress=None if args.quiet else lambda s: print(s, flush=True))
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, TimeoutError) as exc:
         return _fail(str(exc))
     except OSError as exc:
         return _fail(f"{out}: {exc.strerror or exc}")

@@ -24,11 +24,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracesim.atomic import atomic_write_bytes
+from tracesim.policies import Policy
 from tracesim.replay import load_layer
 from tracesim.tiers.simulate import simulate_layer
-from tracesim.tiers.spec import TiersSpec, seeds_array
+from tracesim.tiers.spec import TiersSpec, parse_tiers_spec, seeds_array
 
-__all__ = ["TIERS_COLUMNS", "run_tiers", "tiers_schema"]
+__all__ = ["TIERS_COLUMNS", "compute_part", "run_tiers", "tiers_schema"]
 
 #: Fixed columns of ``tiers.parquet`` (plus ``bytes_<tier>`` per lower tier), with descriptions.
 TIERS_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
@@ -110,7 +111,53 @@ def _parquet_bytes(table: pa.Table, meta: dict[str, str]) -> bytes:
     return buf.getvalue()
 
 
+def compute_part(spec: TiersSpec, store: Any, sid: str, policy: Policy, path: Path) -> int:
+    """Simulate one (sequence, policy) over the spec's layers and write its part atomically.
+
+    Returns the number of rows written.
+    """
+    n_layers = store.model.n_layers
+    layers = list(range(n_layers)) if spec.layers is None else list(spec.layers)
+    schema = tiers_schema(tuple(t.name for t in spec.memory.lower))
+    seq = store[sid]
+    tables = []
+    try:
+        for layer in layers:
+            trace = load_layer(store, seq, layer)
+            cols = simulate_layer(trace, policy, seeds_array(spec), n_layers, spec.memory,
+                                  spec.schedulers, np.asarray(spec.fetch_budgets))
+            n = cols["head"].size
+            meta = trace.meta
+            cols.update({
+                "sequence_id": np.full(n, sid, dtype=object),
+                "task": np.full(n, str(meta.get("task", "")), dtype=object),
+                "correct": np.full(n, bool(meta.get("correct", False))),
+                "config_id": np.full(n, policy.id, dtype=object),
+                "layer": np.full(n, layer, dtype=np.int32),
+                "deployable": cols["scheduler"] != "oracle",
+                "page": np.full(n, spec.memory.page, dtype=np.int32),
+            })
+            tables.append(_table(cols, schema))
+    finally:
+        seq.close()
+    table = pa.concat_tables(tables)
+    # unique temp names: a retried Dask task may race a lost worker on the same part
+    atomic_write_bytes(path, _parquet_bytes(table, {"spec_hash": spec.spec_hash}), unique=True)
+    return table.num_rows
+
+
+def _dask_part(raw: dict, source: str, store_path: str, sid: str, policy_json: str,
+               path: str) -> int:
+    """Worker side of the Dask backend: rebuild spec, store and policy from plain data."""
+    from tracesim.store import open_store
+
+    spec = parse_tiers_spec(raw, source)
+    policy = Policy.from_dict(json.loads(policy_json))
+    return compute_part(spec, open_store(store_path), sid, policy, Path(path))
+
+
 def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
+              backend: str = "local", workers: int = 1, scheduler: str | None = None,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Simulate every (sequence, policy, layer) of the spec and write ``OUT``.
 
@@ -121,6 +168,10 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
         An open trace store.
     out : path
         Output directory (created; resumed when it holds parts of the same spec).
+    backend : {"local", "dask"}
+        ``local`` runs the parts in this process; ``dask`` sends one task per (sequence,
+        policy) to a :class:`distributed.LocalCluster` of ``workers`` single-threaded
+        processes, or to the cluster at ``scheduler``. Results are identical either way.
     progress : callable, optional
         Called with a line of text after each finished part.
 
@@ -129,6 +180,8 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
     dict
         The summary written to ``OUT/summary.json``.
     """
+    if backend not in ("local", "dask"):
+        raise ValueError(f"backend = {backend!r}: expected 'local' or 'dask'")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     parts = out / "parts"
@@ -145,43 +198,27 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
         missing = [s for s in seq_ids if s not in store]
         if missing:
             raise ValueError(f"sequences not in the store: {missing[:5]}")
-        tier_names = tuple(t.name for t in spec.memory.lower)
-        schema = tiers_schema(tier_names)
-        seeds = seeds_array(spec)
-        files, done_before = [], 0
+        for stale in parts.glob(".*.tmp"):      # under the lock: no other run is writing
+            stale.unlink(missing_ok=True)
+        files, todo = [], []
         for sid in seq_ids:
             for policy in spec.policies:
                 key = hashlib.sha256(f"{sid}\0{policy.id}".encode()).hexdigest()[:24]
                 path = parts / f"{key}.parquet"
                 files.append(path)
-                if _part_ok(path, spec.spec_hash):
-                    done_before += 1
-                    continue
-                seq = store[sid]
-                tables = []
-                for layer in layers:
-                    trace = load_layer(store, seq, layer)
-                    cols = simulate_layer(trace, policy, seeds, n_layers, spec.memory,
-                                          spec.schedulers, np.asarray(spec.fetch_budgets))
-                    n = cols["head"].size
-                    meta = trace.meta
-                    cols.update({
-                        "sequence_id": np.full(n, sid, dtype=object),
-                        "task": np.full(n, str(meta.get("task", "")), dtype=object),
-                        "correct": np.full(n, bool(meta.get("correct", False))),
-                        "config_id": np.full(n, policy.id, dtype=object),
-                        "layer": np.full(n, layer, dtype=np.int32),
-                        "deployable": cols["scheduler"] != "oracle",
-                        "page": np.full(n, spec.memory.page, dtype=np.int32),
-                    })
-                    tables.append(_table(cols, schema))
-                seq.close()
-                atomic_write_bytes(path, _parquet_bytes(pa.concat_tables(tables),
-                                                        {"spec_hash": spec.spec_hash}))
+                if not _part_ok(path, spec.spec_hash):
+                    todo.append((sid, policy, path))
+        done_before = len(files) - len(todo)
+        if backend == "local":
+            for sid, policy, path in todo:
+                rows = compute_part(spec, store, sid, policy, path)
                 if progress is not None:
-                    progress(f"{sid} {policy.id}: {sum(t.num_rows for t in tables)} rows")
+                    progress(f"{sid} {policy.id}: {rows} rows")
+        elif todo:
+            _run_dask(spec, str(store.path), todo, workers, scheduler, progress)
+        tier_names = tuple(t.name for t in spec.memory.lower)
         table = pa.concat_tables([pq.read_table(f) for f in files]) if files else \
-            schema.empty_table()
+            tiers_schema(tier_names).empty_table()
         table = table.replace_schema_metadata({b"spec_hash": spec.spec_hash.encode()})
         atomic_write_bytes(out / "tiers.parquet", _parquet_bytes(table, {}))
         summary = {"spec_hash": spec.spec_hash, "rows": table.num_rows,
@@ -190,10 +227,46 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
                    "schedulers": list(spec.schedulers),
                    "fetch_budgets": list(spec.fetch_budgets),
                    "memory": spec.memory.to_dict(), "parts_resumed": done_before,
-                   "seconds": round(time.perf_counter() - t0, 3)}
+                   "backend": backend, "seconds": round(time.perf_counter() - t0, 3)}
         atomic_write_bytes(out / "summary.json",
                            (json.dumps(summary, indent=2, default=str) + "\n").encode())
         return summary
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _run_dask(spec: TiersSpec, store_path: str, todo: list, workers: int,
+              scheduler: str | None, progress: Callable[[str], None] | None) -> None:
+    import logging
+
+    import dask
+    from distributed import Client, LocalCluster, as_completed
+
+    cluster = None
+    if scheduler is None:
+        env = {n: "1" for n in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS",
+                                "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+        with dask.config.set({"distributed.worker.profile.enabled": False}):
+            cluster = LocalCluster(n_workers=max(1, int(workers)), threads_per_worker=1,
+                                   processes=True, dashboard_address=None,
+                                   silence_logs=logging.ERROR, env=env)
+        client = Client(cluster)
+    else:
+        client = Client(scheduler, timeout="10s")
+    try:
+        futures, meta = [], {}
+        for sid, policy, path in todo:
+            fut = client.submit(_dask_part, spec.raw, "tiers spec", store_path, sid,
+                                policy.to_json(), str(path), pure=False, retries=1)
+            futures.append(fut)
+            meta[fut.key] = (sid, policy)
+        for fut in as_completed(futures):
+            sid, policy = meta[fut.key]
+            rows = fut.result()
+            if progress is not None:
+                progress(f"{sid} {policy.id}: {rows} rows")
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
