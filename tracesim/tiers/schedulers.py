@@ -15,6 +15,10 @@ scheduler      priority of page p of KV head g at a step                        
 ``certificate`` the KV head's certificate (sum over its query heads of ``tr V_hat``)   yes
                times the page's share of the head's page bound (below); needs a
                certified base policy (randomized design, Hájek correction)
+``certificate`` the page's share of the certificate: the terms ``(1-pi) a^2 |v-o_hat|^2`` yes
+_page          of its sampled tokens, summed over the group's query heads (pages with no
+               sampled token follow, in the ``certificate`` order); needs a certified
+               base policy
 ``bound``      the page's term of the deterministic bound, summed over the group's     yes
                query heads: ``n_p exp(u_p) (|c_p - o_R| + r_p) / E_R``
 ``oracle``     the page's true attention mass, summed over the group's query heads     no
@@ -33,7 +37,8 @@ from tracesim.prn import permanent_uniforms
 
 __all__ = ["DEPLOYABLE", "SCHEDULERS", "STREAM_FETCH", "confidence_weights", "random_priority"]
 
-SCHEDULERS = ("none", "random", "confidence", "certificate", "bound", "oracle")
+SCHEDULERS = ("none", "random", "confidence", "certificate", "certificate_page", "bound",
+              "oracle")
 DEPLOYABLE = {s: s != "oracle" for s in SCHEDULERS}
 #: Permanent-random-number stream of fetch orders (0: inclusion, 1: score perturbations).
 STREAM_FETCH = 2

@@ -75,7 +75,7 @@ def _check(trace: LayerTrace, policy: Policy, schedulers: tuple[str, ...],
     if policy.schedule.kind != "oneshot":
         raise ValueError(f"policy {policy.id}: tiers simulates one-shot eviction only "
                          "(schedule: oneshot)")
-    if "certificate" in schedulers and not policy.certified:
+    if ("certificate" in schedulers or "certificate_page" in schedulers) and not policy.certified:
         raise ValueError(f"scheduler 'certificate' needs a certified base policy (randomized "
                          f"design with the Hájek correction); {policy.id} is not")
     if not any(r == "decode" for r in trace.query_roles):
@@ -174,10 +174,13 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
                 if policy.certified and tail.any():
                     aw = w[tail] / den                                     # (m, G)
                     dv = ((V[tail][:, None, :] - o_hat[None]) ** 2).sum(axis=2)
-                    c2 = ((1.0 - pi[g, :t + 1][tail])[:, None] * aw ** 2 * dv).sum(axis=0)
+                    contrib = (1.0 - pi[g, :t + 1][tail])[:, None] * aw ** 2 * dv  # (m, G)
+                    c2 = contrib.sum(axis=0)
                     cert[hs, a] += c2
+                    tail_pos = np.flatnonzero(tail)
                 else:
                     c2 = np.zeros(G)
+                    contrib, tail_pos = np.zeros((0, G)), np.zeros(0, dtype=np.int64)
                 # Page sums of the evicted tokens this query sees.
                 vis = hp.pos <= t
                 if vis.all():
@@ -213,7 +216,7 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
                 sl = slice(offsets[g], offsets[g + 1])
                 if "oracle" in prio:
                     prio["oracle"][sl] = (pd / e.sum(axis=0)).sum(axis=1)
-                if "bound" in prio or "certificate" in prio:
+                if "bound" in prio or "certificate" in prio or "certificate_page" in prio:
                     eK = e[km]
                     E_R = eK.sum(axis=0)
                     o_R = (eK.T @ V[km]) / E_R[:, None]
@@ -231,6 +234,17 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
                         frac = bterm / tot if tot > 0 else np.full(bterm.size, 1.0 / max(
                             1, bterm.size))
                         prio["certificate"][sl] = c2.sum() * frac
+                    if "certificate_page" in prio:
+                        # the page's share of the certificate: its sampled tokens' terms
+                        slot = np.searchsorted(hp.page_id, tail_pos // memory.page)
+                        ok = (slot < hp.page_id.size) & (hp.page_id[np.minimum(
+                            slot, max(hp.page_id.size - 1, 0))] == tail_pos // memory.page) \
+                            if hp.page_id.size else np.zeros(tail_pos.size, dtype=bool)
+                        pc = np.zeros(hp.page_id.size)
+                        np.add.at(pc, slot[ok], contrib.sum(axis=1)[ok])
+                        tot = bterm.sum()
+                        frac = bterm / tot if tot > 0 else np.zeros(bterm.size)
+                        prio["certificate_page"][sl] = pc + 1e-9 * c2.sum() * frac
                 if "random" in prio or "confidence" in prio:
                     r = random_priority(int(seed), trace.layer, g, a, hp.page_id)
                     for s_name in ("random", "confidence"):
