@@ -2,27 +2,22 @@
 
 Each scheduler turns what it may know at a step into a *priority* for every evicted page of
 every KV head of the layer; the simulator then fetches pages in decreasing priority until the
-step's byte budget is spent. All but ``oracle`` use only what a server has at that step:
+step's byte budget is spent. All but ``oracle`` use only what a server has at that step.
 
-============== ======================================================================= ==========
-scheduler      priority of page p of KV head g at a step                               deployable
-============== ======================================================================= ==========
-``none``       nothing is fetched                                                      yes
-``random``     a permanent uniform per (seed, layer, g, step, p) — stream 2            yes
-``confidence`` random order; the step's byte budget is scaled by ``1 - exp(logprob)``  yes
-               of the token the step reads (the last generated token), normalised so
-               the budgets average to the others' over the sequence
-``certificate`` the KV head's certificate (sum over its query heads of ``tr V_hat``)   yes
-               times the page's share of the head's page bound (below); needs a
-               certified base policy (randomized design, Hájek correction)
-``certificate`` the page's share of the certificate: the terms ``(1-pi) a^2 |v-o_hat|^2`` yes
-_page          of its sampled tokens, summed over the group's query heads (pages with no
-               sampled token follow, in the ``certificate`` order); needs a certified
-               base policy
-``bound``      the page's term of the deterministic bound, summed over the group's     yes
-               query heads: ``n_p exp(u_p) (|c_p - o_R| + r_p) / E_R``
-``oracle``     the page's true attention mass, summed over the group's query heads     no
-============== ======================================================================= ==========
+* ``none``: nothing is fetched.
+* ``random``: a permanent uniform per (seed, layer, KV head, step, page), stream 2.
+* ``confidence``: random order; the step's byte budget is scaled by ``1 - exp(logprob)`` of the
+  token the step reads (the last generated token), normalised so the budgets average to the
+  others' over the sequence.
+* ``certificate``: the KV head's certificate (sum over its query heads of ``tr V_hat``) times
+  the page's share of the head's page bound (below). Needs a certified base policy.
+* ``certificate_page``: the page's share of the certificate, i.e. the terms
+  ``(1 - pi_i) a_i^2 |v_i - o_hat|^2`` of its *sampled* tokens summed over the group's query
+  heads; pages without a sampled token follow in the ``certificate`` order. Needs a certified
+  base policy.
+* ``bound``: the page's term of the deterministic bound, summed over the group's query heads,
+  ``n_p exp(u_p) (|c_p - o_R| + r_p) / E_R``.
+* ``oracle`` (not deployable): the page's true attention mass, summed over the group's heads.
 
 ``u_p`` is the page's logit upper bound from its key summaries (``tracesim.bounds.pages``),
 ``c_p``, ``r_p`` its value centroid and radius, ``o_R`` and ``E_R`` the kept tokens' softmax
