@@ -30,6 +30,7 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "tracesim.demo",
     "tracesim.synth.cli",
     "tracesim.export",
+    "tracesim.tiers.cli",
 )
 
 # module -> (subcommand, help line of ``tracesim --help``): these modules load lazily.
@@ -51,6 +52,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "tracesim.synth.cli": ("synth", "write a synthetic trace store (sinks, local window, heavy "
                            "hitters, retrieval heads)"),
     "tracesim.export": ("export", "export results as CSV or a hive-partitioned Parquet dataset"),
+    "tracesim.tiers.cli": ("tiers", "simulate certificate-scheduled fetches from DRAM/NVMe "
+                           "tiers"),
 }
 
 

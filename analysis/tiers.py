@@ -1,0 +1,146 @@
+"""C7 in bytes and time: fetch schedulers compared over ``tracesim tiers`` results.
+
+Input: ``tiers.parquet`` as a pandas DataFrame (columns in ``docs/tiers.md``). The independent
+units are sequences: every statistic is first summed within a sequence (its layers, heads and
+steps share one context), then compared across sequences.
+
+* :func:`scheduler_curves` — per (sequence, policy, scheduler, fetch budget): the share of the
+  eviction error recovered ``1 - sum err2_after / sum err2_before``, bytes moved (also as a
+  share of refetching every evicted page), modelled stall, and the error recovered per GB and
+  per modelled millisecond.
+* :func:`compare_schedulers` — paired one-sided tests (sign-flip permutation over sequences,
+  exact for up to 16 sequences, and the t-test) of one scheduler against others at equal
+  budgets, Holm-adjusted.
+* :func:`tiers_figure` — error against bytes moved and against modelled stall, per scheduler.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from analysis.multiplicity import holm
+
+__all__ = ["compare_schedulers", "scheduler_curves", "tiers_figure"]
+
+
+def scheduler_curves(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (sequence, config, scheduler, fetch budget) totals and recovered share."""
+    keys = ["sequence_id", "config_id", "scheduler", "fetch_budget"]
+    g = df.groupby(keys, sort=True)
+    out = g.agg(err2_before=("err2_before", "sum"), err2_after=("err2_after", "sum"),
+                bytes_moved=("bytes_moved", "sum"), stall_ms=("stall_ms", "sum"),
+                fetch_ms=("fetch_ms", "sum")).reset_index()
+    # evicted bytes and stall are per KV head / per layer: count each (layer, kv_head, step) once
+    ev = (df.drop_duplicates(keys + ["layer", "kv_head", "step"])
+          .groupby(keys)["evicted_bytes"].sum().rename("evicted_bytes"))
+    st = (df.drop_duplicates(keys + ["layer", "step"])
+          .groupby(keys)[["stall_ms", "fetch_ms"]].sum())
+    out = out.drop(columns=["stall_ms", "fetch_ms"]).merge(ev.reset_index(), on=keys)
+    out = out.merge(st.reset_index(), on=keys)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["recovered"] = 1.0 - out["err2_after"] / out["err2_before"]
+        out["bytes_share"] = out["bytes_moved"] / out["evicted_bytes"]
+        gained = out["err2_before"] - out["err2_after"]
+        out["recovered_per_gb"] = np.where(out["bytes_moved"] > 0,
+                                           gained / (out["bytes_moved"] / 1e9), np.nan)
+        out["recovered_per_ms"] = np.where(out["stall_ms"] > 0, gained / out["stall_ms"],
+                                           np.nan)
+    return out
+
+
+def _one_sided_p(d: np.ndarray) -> tuple[float, float]:
+    """(t-test p, sign-flip permutation p) for mean(d) > 0."""
+    d = d[np.isfinite(d)]
+    if d.size < 2:
+        return np.nan, np.nan
+    if np.all(d == d[0]):
+        p = 0.0 if d[0] > 0 else 1.0
+        return p, p
+    t = stats.ttest_1samp(d, 0.0, alternative="greater").pvalue
+    n = d.size
+    obs = d.mean()
+    if n <= 16:
+        signs = np.array(list(product((1.0, -1.0), repeat=n)))
+    else:
+        rng = np.random.default_rng(0)
+        signs = rng.choice((1.0, -1.0), size=(20000, n))
+    perm = (signs * np.abs(d)).mean(axis=1)
+    return float(t), float((perm >= obs - 1e-15).mean())
+
+
+def compare_schedulers(curves: pd.DataFrame, scheduler: str = "certificate",
+                       against: tuple[str, ...] = ("random", "confidence"),
+                       budgets: tuple[float, ...] | None = None,
+                       alpha: float = 0.05) -> pd.DataFrame:
+    """Paired comparisons of ``scheduler`` against each of ``against`` at equal fetch budgets.
+
+    For each (config, budget, other) the difference in recovered share is formed per sequence;
+    the table gives its mean, the one-sided p-values (t and sign-flip permutation) and the
+    Holm-adjusted permutation p-value over all rows.
+    """
+    rows = []
+    cur = curves if budgets is None else curves[curves["fetch_budget"].isin(budgets)]
+    cur = cur[(cur["fetch_budget"] > 0) & (cur["fetch_budget"] < 1)]
+    piv = cur.pivot_table(index=["config_id", "fetch_budget", "sequence_id"],
+                          columns="scheduler", values="recovered")
+    if scheduler not in piv:
+        return pd.DataFrame(columns=["config_id", "fetch_budget", "other", "n_sequences",
+                                     "mean_diff", "p_t", "p_perm", "p_holm", "reject"])
+    for (cfg, b), block in piv.groupby(level=["config_id", "fetch_budget"]):
+        for other in against:
+            if other not in block:
+                continue
+            d = (block[scheduler] - block[other]).to_numpy()
+            p_t, p_perm = _one_sided_p(d)
+            rows.append({"config_id": cfg, "fetch_budget": b, "other": other,
+                         "n_sequences": int(np.isfinite(d).sum()),
+                         "mean_diff": float(np.nanmean(d)), "p_t": p_t, "p_perm": p_perm})
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    adj = holm({str(i): p for i, p in enumerate(table["p_perm"])}, alpha=alpha)
+    table["p_holm"] = [adj.get(str(i), (np.nan, False))[0] for i in range(len(table))]
+    table["reject"] = [adj.get(str(i), (np.nan, False))[1] for i in range(len(table))]
+    return table
+
+
+def tiers_figure(curves: pd.DataFrame, path: str | Path) -> Path:
+    """Error against bytes moved and against modelled stall, one line per scheduler."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = (curves.groupby(["scheduler", "fetch_budget"])
+           [["err2_before", "err2_after", "bytes_moved", "evicted_bytes", "stall_ms"]].sum()
+           .reset_index())
+    agg["remaining"] = agg["err2_after"] / agg["err2_before"]
+    agg["bytes_share"] = agg["bytes_moved"] / agg["evicted_bytes"]
+    n_seq = curves["sequence_id"].nunique()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, g in agg.groupby("scheduler"):
+        g = g.sort_values("fetch_budget")
+        style = "--" if name == "oracle" else "-"
+        axes[0].plot(g["bytes_share"], g["remaining"], style, marker="o", label=name)
+        axes[1].plot(g["stall_ms"] / max(1, n_seq), g["remaining"], style, marker="o",
+                     label=name)
+    axes[0].set_xlabel("bytes moved / bytes of every evicted page")
+    axes[1].set_xlabel("modelled stall per sequence (ms, summed over layers and steps)")
+    for ax in axes:
+        ax.set_ylabel("remaining error share (sum err2 after / before)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[1].set_xscale("symlog", linthresh=1e-3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Fetch schedulers over {n_seq} sequences (oracle dashed: not deployable)",
+                 fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
