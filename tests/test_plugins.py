@@ -212,7 +212,7 @@ def test_decorator_design_equals_the_builtin_it_mimics(store):
 
     try:
         grid = {"score": "snapkv", "design": ["test_flat", "bernoulli"], "budget": 0.4,
-                "score_params": {"snapkv": {"window": 8}}}
+                "score_params": {"snapkv": {"window_source": "question"}}}
         mine, ref = parse_grid(grid)
         a = replay(open_store(store), [mine], seeds=3, progress=False).to_pandas()
         b = replay(open_store(store), [ref], seeds=3, progress=False).to_pandas()
