@@ -16,7 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "retrieval heads)",
         description="Write a synthetic trace store in the normal format, so validate, replay, "
         "sweep and report work on it. The generative model is documented in docs/synth.md; "
-        "the same --seed gives a byte-identical store.")
+        "the same --seed gives a byte-identical store.",
+        epilog="example:\n  tracesim synth --positions 131072 --layers 1 --out traces/synth-128k\n"
+        "  tracesim replay traces/synth-128k --seeds 8 --out results/synth-128k")
     p.add_argument("--positions", type=int, required=True,
                    help="stored positions per sequence (prompt + decode steps)")
     p.add_argument("--out", required=True, help="store directory (new, empty, or a store of "
@@ -32,9 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--h2o-queries", type=int, default=256,
                    help="prefill queries (one per prompt stratum) the H2O statistic is "
                    "accumulated from (default 256; exact when >= the prompt length)")
-    p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    p.add_argument("--dtype", choices=("float16", "float32"), default="float16",
+                   help="storage dtype of the tensors")
     p.add_argument("--no-o-proj", action="store_true", help="do not store o_proj weights")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the generative model (same seed, byte-identical store)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run_synth)
 
