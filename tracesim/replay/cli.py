@@ -57,6 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="skip the per-layer output-space (GQA) certificate and error")
     p.add_argument("--threads", type=int, default=None, help="numba threads")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--skip-damaged", action="store_true",
+                   help="skip sequences that fail verification (default: stop with exit 2)")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run_replay)
 
@@ -106,12 +108,40 @@ def build_policies(args: argparse.Namespace) -> list:
                        design_params=design_params, score_params=score_params)
 
 
+def _check_args(args: argparse.Namespace) -> Path:
+    """Every argument check that needs no file: raise UsageError before anything is opened."""
+    from tracesim.errors import UsageError, check_int, check_out_dir, check_threads
+
+    check_int(args.seeds, "--seeds", 1, MAX_SEEDS)
+    check_threads(args.threads)
+    if args.window is not None:
+        check_int(args.window, "--window", 0)
+    for b in args.budget:
+        if not np.isfinite(b) or b <= 0:
+            raise UsageError(f"--budget {b:g}: expected a fraction in (0, 1] or a token "
+                             "count > 1")
+    out = check_out_dir(args.out)
+    if out.exists() and (out / "replay.parquet").is_dir():
+        raise UsageError(f"--out {out}: replay.parquet is a directory, expected a file name")
+    return out
+
+
+#: Largest ``--seeds`` (each seed is one replay of every randomized policy).
+MAX_SEEDS = 100_000
+
+
 def run_replay(args: argparse.Namespace) -> int:
-    """Run the ``replay`` subcommand; return an exit code."""
-    from tracesim.replay import ReplayOptions, iter_replay, result_schema
+    """Run the ``replay`` subcommand; return an exit code.
+
+    Arguments are checked before anything is opened; the output directory is locked for the
+    run; ``replay.parquet``, ``configs.json`` and ``summary.json`` appear only complete (temp
+    file, fsync, rename), and a failed or killed run leaves the previous files untouched.
+    """
+    from tracesim.atomic import DirLock, remove_stale_tmp
     from tracesim.store import StoreError, open_store
 
     try:
+        out = _check_args(args)
         policies = build_policies(args)
         store = open_store(args.traces)
     except (ValueError, StoreError) as exc:
@@ -121,32 +151,48 @@ def run_replay(args: argparse.Namespace) -> int:
         import numba
 
         numba.set_num_threads(args.threads)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "configs.json").write_text(json.dumps(
-        [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
+    lock = DirLock(out, "replay")
+    try:
+        remove_stale_tmp(out)
+        return _replay_locked(args, out, policies, store)
+    finally:
+        lock.release()
+
+
+def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -> int:
+    from tracesim.atomic import atomic_parquet, atomic_write_text
+    from tracesim.replay import ReplayOptions, iter_replay, result_schema
+
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite)
     path = out / "replay.parquet"
     t0 = time.perf_counter()
+    skipped: list[str] = []
     try:
-        with pq.ParquetWriter(path, result_schema()) as writer:
+        with atomic_parquet(path, result_schema()) as writer:
             for batch in iter_replay(store, policies, seeds=args.seeds, layers=args.layers,
                                      sequences=args.sequences, per_seed=args.per_seed,
-                                     progress=not args.no_progress, options=options):
+                                     progress=not args.no_progress, options=options,
+                                     skip_damaged=getattr(args, "skip_damaged", False),
+                                     skipped=skipped):
                 writer.write_batch(batch)
     except ValueError as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
+    atomic_write_text(out / "configs.json", json.dumps(
+        [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
     elapsed = time.perf_counter() - t0
     from tracesim.sweep.compact import find_prereg, sha256_file
 
     prereg = find_prereg(None, args.traces)
-    (out / "summary.json").write_text(json.dumps({
+    atomic_write_text(out / "summary.json", json.dumps({
         "store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
-        "wall_time_s": elapsed,
+        "wall_time_s": elapsed, "skipped_damaged": skipped,
         "prereg": None if prereg is None else {"path": str(prereg),
                                                "sha256": sha256_file(prereg)}}, indent=1))
+    for msg in skipped:
+        print(f"tracesim replay: skipped damaged sequence: {msg}", file=sys.stderr)
     table = pq.read_table(path, columns=[
         "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",
         "wald_cov", "wald_t_cov", "kept_tokens", "nominal_tokens", "evicted_mass", "n_seeds"])

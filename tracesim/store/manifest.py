@@ -243,8 +243,11 @@ def empty_manifest() -> pa.Table:
 
 def read_manifest(root: Path) -> pa.Table:
     """Read ``manifest.parquet``, cast to :data:`MANIFEST_SCHEMA`; raise :class:`StoreError`."""
+    from .safe import member_file
+
     path = root / MANIFEST_FILE
     try:
+        member_file(root, MANIFEST_FILE)
         table = pq.read_table(path)
     except FileNotFoundError:
         raise StoreError(f"{root}: {MANIFEST_FILE} is missing") from None
