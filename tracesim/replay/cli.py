@@ -25,6 +25,20 @@ def _csv(kind):
     return parse
 
 
+def _budget(text: str) -> tuple[float, str]:
+    """A ``--budget`` item, read with the sweep spec's rule (integers are token counts)."""
+    from tracesim.sweep.grid import _budget as spec_budget
+
+    try:
+        value: float = int(text) if text.lstrip("+").isdigit() else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    try:
+        return spec_budget(value, "--budget")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``replay`` subcommand."""
     p = subparsers.add_parser(
@@ -37,8 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="scores (streaming,h2o,snapkv,tova,knorm,vnorm,keyformer,random,full)")
     p.add_argument("--design", type=_csv(str), default=["topk", "poisson"],
                    help="designs (topk,poisson,bernoulli,fixed)")
-    p.add_argument("--budget", type=_csv(float), default=[0.25],
-                   help="budgets: fractions of the context (<= 1) or token counts (> 1)")
+    p.add_argument("--budget", type=_csv(_budget), default=[(0.25, "fraction")],
+                   help="budgets, as in a sweep spec: decimals are fractions of the context "
+                   "in (0, 1] (0.25, 1.0), integers are token counts (512)")
     p.add_argument("--correction", default="auto", choices=("auto", "none", "hajek"))
     p.add_argument("--allocator", default="uniform", choices=("uniform", "adakv", "pyramidkv"))
     p.add_argument("--schedule", default="oneshot",
@@ -116,10 +131,6 @@ def _check_args(args: argparse.Namespace) -> Path:
     check_threads(args.threads)
     if args.window is not None:
         check_int(args.window, "--window", 0)
-    for b in args.budget:
-        if not np.isfinite(b) or b <= 0:
-            raise UsageError(f"--budget {b:g}: expected a fraction in (0, 1] or a token "
-                             "count > 1")
     out = check_out_dir(args.out)
     if out.exists() and (out / "replay.parquet").is_dir():
         raise UsageError(f"--out {out}: replay.parquet is a directory, expected a file name")
