@@ -179,11 +179,22 @@ def _logprobs(traces_dir: str | Path) -> dict[str, np.ndarray]:
 
 
 def write_report(report: Report, out: str | Path) -> Path:
-    """Write report.md, report.html, claims.json and the PNG figures; return the HTML path."""
+    """Write report.md, report.html, claims.json and the PNG figures; return the HTML path.
+
+    The output directory is locked while writing and every file appears complete or not at
+    all (temp file, fsync, rename).
+    """
+    from tracesim.atomic import DirLock, atomic_write_bytes
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    with DirLock(out, "report"):
+        return _write_report(report, out, atomic_write_bytes)
+
+
+def _write_report(report: Report, out: Path, write) -> Path:
     for name, png in report.figures.items():
-        (out / f"{name}.png").write_bytes(png)
+        write(out / f"{name}.png", png, unique=True)
     rows = claims_table(report.claims)
     md = ["# tracesim report", "",
           f"Pre-registration: `{report.prereg.path.name}` ({report.prereg.sha256[:19]}…), "
@@ -199,9 +210,9 @@ def write_report(report: Report, out: str | Path) -> Path:
         md += [f"## {title}", "", "```", text, "```", ""]
     for name in report.figures:
         md += [f"![{name}]({name}.png)", ""]
-    (out / "report.md").write_text("\n".join(md))
-    (out / "claims.json").write_text(json.dumps(
-        [asdict(c) for c in report.claims], indent=1, default=float))
+    write(out / "report.md", "\n".join(md).encode(), unique=True)
+    write(out / "claims.json", json.dumps(
+        [asdict(c) for c in report.claims], indent=1, default=float).encode(), unique=True)
     name = html.escape(str(report.prereg.path.name))
     body = [f"<h1>tracesim report</h1><p>Pre-registration <code>{name}</code> "
             f"({report.prereg.sha256[:19]}…), Holm at α = {report.prereg.alpha}.</p>"]
@@ -229,5 +240,5 @@ def write_report(report: Report, out: str | Path) -> Path:
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>tracesim report</title>"
             f"<style>{style}</style></head><body>{''.join(body)}</body></html>")
     path = out / "report.html"
-    path.write_text(page, encoding="utf-8")
+    write(path, page.encode("utf-8"), unique=True)
     return path
