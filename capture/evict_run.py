@@ -135,6 +135,7 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
 
     from capture.evict import decode_policy, layer_plans, outcome_row, prefill_sequence
     from capture.runner import eos_token_ids
+    from tracesim.columns import describe_table, nullify_rows
 
     eos = set(eos_token_ids(loaded))
     runs = [(p, s) for p in policies for s in (seed_list if p.needs_seeds else [-1])]
@@ -164,11 +165,12 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
             row["decode_seconds"] = time.perf_counter() - t0
             rows.append(row)
             bar.update(1)
-        _write_atomic(pa.Table.from_pylist(rows), target)
+        _write_atomic(nullify_rows(rows), target)
         done += 1
     bar.close()
     tables = [pq.read_table(parts / _safe_name(sid)) for sid in ids]
-    table = pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
+    table = (describe_table(pa.concat_tables(tables, promote_options="default")) if tables
+             else pa.table({}))
     _write_atomic(table, out / "outcomes.parquet")
     summary = {
         "store": str(store_path), "model_id": loaded.model_id, "n_sequences": len(ids),

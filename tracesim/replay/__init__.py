@@ -26,18 +26,13 @@ from tracesim.replay.engine import (
     evaluated_queries,
     replay_layer,
 )
-from tracesim.replay.results import METRICS, RESULT_COLUMNS, layer_batch
+from tracesim.replay.results import METRICS, RESULT_COLUMNS, layer_batch, result_schema
 
 __all__ = [
     "METRICS", "RESULT_COLUMNS", "LayerResult", "ReplayOptions", "evaluated_queries",
     "iter_replay", "layer_batch", "load_layer", "replay", "replay_layer", "result_schema",
     "verify_sequence",
 ]
-
-
-def result_schema() -> pa.Schema:
-    """Arrow schema of replay results."""
-    return pa.schema([pa.field(n, t) for n, t in RESULT_COLUMNS.items()])
 
 
 def load_layer(store, seq, layer: int) -> LayerTrace:
