@@ -224,7 +224,8 @@ def member_path(root: Path, rel: Any, label: str) -> Path:
     except OSError:  # pragma: no cover - resolve() failing is exotic
         inside = False
     if not inside:
-        raise StoreError(f"{label}: field 'file' {rel!r} resolves outside the store")
+        raise StoreError(f"{label}: field 'file' {rel!r} resolves outside the store, expected "
+                         "a file inside the store")
     return path
 
 

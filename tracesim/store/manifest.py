@@ -250,9 +250,11 @@ def read_manifest(root: Path) -> pa.Table:
         member_file(root, MANIFEST_FILE)
         table = pq.read_table(path)
     except FileNotFoundError:
-        raise StoreError(f"{root}: {MANIFEST_FILE} is missing") from None
+        raise StoreError(f"{root}: {MANIFEST_FILE} is missing, expected one row per "
+                         "finished sequence") from None
     except (OSError, pa.ArrowException) as exc:
-        raise StoreError(f"{root}: {MANIFEST_FILE} is not readable Parquet ({exc})") from None
+        raise StoreError(f"{root}: {MANIFEST_FILE} is not readable Parquet ({exc}), expected "
+                         "the store's manifest") from None
     problems = check_schema(table.schema)
     if problems:
         raise StoreError(f"{root}: " + "; ".join(problems))

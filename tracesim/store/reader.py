@@ -101,7 +101,8 @@ class TraceSequence:
                 member_file(self.root, self.file)
             except FileNotFoundError:
                 raise StoreError(f"{self.file}: file is missing (listed for sequence "
-                                 f"{self.sequence_id!r} in {MANIFEST_FILE})") from None
+                                 f"{self.sequence_id!r} in {MANIFEST_FILE}), expected its tensor "
+                                 "file") from None
             self._tensors = TensorFile(self.path, self.file)
         return self._tensors
 
@@ -140,7 +141,8 @@ class TraceSequence:
             st = member_file(self.root, self.file)
         except FileNotFoundError:
             raise StoreError(f"{self.file}: file is missing (listed for sequence "
-                             f"{self.sequence_id!r} in {MANIFEST_FILE})") from None
+                             f"{self.sequence_id!r} in {MANIFEST_FILE}), expected its tensor "
+                                 "file") from None
         if st.st_size != row["n_bytes"]:
             raise StoreError(f"{self.file}: file has {st.st_size} bytes, expected n_bytes = "
                              f"{row['n_bytes']} ({MANIFEST_FILE}; truncated or rewritten?)")
@@ -281,10 +283,19 @@ class TraceStore:
             except FileNotFoundError:
                 raise StoreError(f"{O_PROJ_FILE}: file is missing, expected by field 'o_proj' "
                                  "of model.json") from None
-            want = self._model_json["o_proj"]["n_bytes"]
-            if st.st_size != want:
+            entry = self._model_json["o_proj"]
+            if st.st_size != entry["n_bytes"]:
                 raise StoreError(f"{O_PROJ_FILE}: file has {st.st_size} bytes, expected "
-                                 f"n_bytes = {want} (model.json)")
+                                 f"n_bytes = {entry['n_bytes']} (model.json)")
+            need = m.n_layers * m.hidden_size * m.n_heads * m.head_dim * 4
+            if st.st_size < need:
+                raise StoreError(f"{O_PROJ_FILE}: file has {st.st_size} bytes, expected at "
+                                 f"least {need} for the shapes declared by model.json")
+            digest = sha256_file(self.path / O_PROJ_FILE)
+            if digest != entry["checksum"]:
+                raise StoreError(f"{O_PROJ_FILE}: field 'checksum' of the file bytes is "
+                                 f"{digest}, expected {entry['checksum']} (model.json; "
+                                 "corrupted or rewritten?)")
             self._o_proj = TensorFile(self.path / O_PROJ_FILE, O_PROJ_FILE)
         return self._o_proj.read(tensor_name("o_proj", layer),
                                  (m.hidden_size, m.n_heads * m.head_dim), "float32",

@@ -233,7 +233,8 @@ class TensorFile:
         except FileNotFoundError:
             raise StoreError(f"{label}: file is missing") from None
         except (OSError, pa.ArrowException) as exc:
-            raise StoreError(f"{label}: not a readable Arrow IPC file ({exc})") from None
+            raise StoreError(f"{label}: not a readable Arrow IPC file ({exc}), expected a "
+                             "tracesim tensor file") from None
         schema = self._reader.schema
         if schema.remove_metadata() != TENSOR_SCHEMA:
             raise StoreError(

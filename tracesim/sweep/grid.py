@@ -50,6 +50,7 @@ _ALLOCATOR_PARAMS = {"uniform": (), "adakv": ("alpha",), "pyramidkv": ("beta",)}
 MAX_GRID = 10_000  # configurations of one grid (the product of its lists)
 MAX_LIST = 1_000  # values in one list of a grid
 MAX_INT_PARAM = 1 << 20  # integer hyperparameters (window, sinks, ...) and K of decode:K
+MAX_TOKENS = 2**31 - 1  # token budgets
 
 
 class SpecError(ValueError):
@@ -94,6 +95,9 @@ def _budget(value: Any, where: str) -> tuple[float, str]:
         raise _fail(where, f"{value!r} is not a budget; give a fraction in (0, 1] (e.g. 0.25) "
                            "or a token count (an integer >= 1)")
     if isinstance(value, int):
+        if value > MAX_TOKENS:
+            raise _fail(where, f"{value} tokens is out of range; expected a token count "
+                               f"<= {MAX_TOKENS}")
         if value < 1:
             raise _fail(where, f"{value} is not a token budget (an integer >= 1); give "
                                "fractions as floats in (0, 1]")
