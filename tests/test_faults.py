@@ -256,10 +256,15 @@ def test_replay_sigkill_at_random_points_then_rerun(base, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     rng = np.random.default_rng(7)
     killed = 0
-    for delay in rng.uniform(0.5, 6.0, size=2):
+    for delay in rng.uniform(0.0, 0.5, size=2):
         proc = subprocess.Popen([sys.executable, "-m", "tracesim.cli", "replay", str(big),
                                  *args, "--out", str(out)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 240
+        # wait until it is writing (its temp file exists), then a seeded random delay
+        while not list(out.glob(".replay.parquet.*.tmp")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "replay never started writing"
+            time.sleep(0.005)
         time.sleep(float(delay))
         killed += proc.poll() is None
         proc.send_signal(signal.SIGKILL)
