@@ -103,6 +103,17 @@ def _inject_inf(kind: str) -> Callable[[Path], None]:
     return apply
 
 
+def _deep_index(root: Path) -> None:
+    """A tensor file whose index JSON nests 100000 levels, re-signed in the manifest."""
+    path = root / SEQ
+    schema = pa.schema([pa.field("data", pa.uint8(), nullable=False)]).with_metadata(
+        {b"tracesim.index": b'{"tensors": {}, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        writer.write_batch(pa.record_batch([pa.array([0], pa.uint8())], schema=schema))
+    _edit_row("checksum", sha256_file(path))(root)
+    _edit_row("n_bytes", path.stat().st_size)(root)
+
+
 def store_mutations() -> list[Mutation]:
     rng = np.random.default_rng(12)
     out: list[Mutation] = []
@@ -176,6 +187,7 @@ def store_mutations() -> list[Mutation]:
         out.append((f"seq as {kind}", SEQ, _special(SEQ, kind)))
     for kind in ("k", "v", "q", "o"):
         out.append((f"seq Inf in {kind}", SEQ, _inject_inf(kind)))
+    out.append(("seq index nested 100000 deep", SEQ, _deep_index))
 
     for i, pos in enumerate(rng.integers(0, 1 << 30, size=8)):
         out.append((f"o_proj flip {i}", "o_proj.arrow", _bytes("o_proj.arrow", "flip",

@@ -177,10 +177,9 @@ def write_tensor_file(
 def _parse_index(raw: bytes | None, n_batches: int, label: str) -> dict[str, Any]:
     if raw is None:
         raise StoreError(f"{label}: schema metadata has no {INDEX_KEY.decode()!r} key")
-    try:
-        meta = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StoreError(f"{label}: index metadata is not valid JSON ({exc})") from None
+    from .safe import loads_bounded
+
+    meta = loads_bounded(raw, f"{label}: index metadata")
     if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), dict):
         raise StoreError(f"{label}: index metadata has no 'tensors' object")
     if meta.get("schema_version") != SCHEMA_VERSION:
