@@ -276,3 +276,32 @@ def test_replay_sigkill_at_random_points_then_rerun(base, tmp_path):
     assert not list(out.glob(".*.tmp"))
     print(f"\n[faults] replay SIGKILL: {killed} kill(s) mid-run; earlier file intact, rerun "
           "identical to the uninterrupted run")
+
+
+def test_skip_damaged_replays_the_rest_and_debug_shows_tracebacks(base, tmp_path):
+    import json
+
+    root, store, reference = base
+    case = tmp_path / "store"
+    shutil.copytree(store, case)
+    data = bytearray((case / "seq" / "seq0.arrow").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (case / "seq" / "seq0.arrow").write_bytes(bytes(data))
+    code, err, _ = _run_cli(["replay", str(case), *ARGS, "--out", str(tmp_path / "a")])
+    assert code == 2 and "seq/seq0.arrow" in err and "checksum" in err
+    code, err, _ = _run_cli(["replay", str(case), *ARGS, "--skip-damaged",
+                             "--out", str(tmp_path / "b")])
+    assert code == 0 and "seq/seq0.arrow" in err
+    got = pq.read_table(tmp_path / "b" / "replay.parquet")
+    assert set(got["sequence_id"].to_pylist()) == {"seq1"}
+    want = reference.filter(reference["sequence_id"].to_numpy(zero_copy_only=False) == "seq1")
+    assert got.equals(want)
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert len(summary["skipped_damaged"]) == 1
+    grid = tmp_path / "grid.yaml"
+    grid.write_bytes(b"grid: \xff\n")
+    argv = ["evict", str(case), "--grid", str(grid), "--out", str(tmp_path / "e")]
+    code, err, _ = _run_cli(argv)
+    assert code == 2 and "grid.yaml" in err and "UTF-8" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="UTF-8"):  # --debug lets the exception through
+        cli_main(["--debug", *argv])
