@@ -232,11 +232,22 @@ def _tier_class(tier: str) -> str:
 
 
 def write_report(report: Report, out: str | Path) -> Path:
-    """Write report.md, report.html, claims.json and the PNG figures; return the HTML path."""
+    """Write report.md, report.html, claims.json and the PNG figures; return the HTML path.
+
+    The output directory is locked while writing and every file appears complete or not at
+    all (temp file, fsync, rename).
+    """
+    from tracesim.atomic import DirLock, atomic_write_bytes
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    with DirLock(out, "report"):
+        return _write_report(report, out, atomic_write_bytes)
+
+
+def _write_report(report: Report, out: Path, write) -> Path:
     for name, png in report.figures.items():
-        (out / f"{name}.png").write_bytes(png)
+        write(out / f"{name}.png", png, unique=True)
     rows = claims_table(report.claims, text=True)
     prov = report.provenance
     md = ["# tracesim report", ""]
@@ -259,9 +270,9 @@ def write_report(report: Report, out: str | Path) -> Path:
     for i, name in enumerate(report.figures, 1):
         md += [f"![{name}]({name}.png)", "",
                f"*Figure {i} ({name}).* {report.captions.get(name, '')}", ""]
-    (out / "report.md").write_text("\n".join(md))
-    (out / "claims.json").write_text(json.dumps(
-        [asdict(c) for c in report.claims], indent=1, default=float))
+    write(out / "report.md", "\n".join(md).encode(), unique=True)
+    write(out / "claims.json", json.dumps(
+        [asdict(c) for c in report.claims], indent=1, default=float).encode(), unique=True)
     esc = html.escape
     name = esc(str(report.prereg.path.name))
     body = ["<h1>tracesim report</h1>"]
@@ -308,5 +319,5 @@ def write_report(report: Report, out: str | Path) -> Path:
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>tracesim report</title>"
             f"<style>{style}</style></head><body>{''.join(body)}</body></html>")
     path = out / "report.html"
-    path.write_text(page, encoding="utf-8")
+    write(path, page.encode("utf-8"), unique=True)
     return path

@@ -2,9 +2,13 @@
 
 For each sequence of the store: one full-cache prefill, then one greedy decode per (policy, seed)
 with the eviction enforced inside attention; one outcomes row per (sequence, policy, seed).
-Results of a sequence are written to ``OUT/parts/<sequence>.parquet`` atomically, so an
-interrupted run resumes at the first unfinished sequence; ``OUT/outcomes.parquet`` and
-``OUT/summary.json`` are rewritten at the end from the parts.
+Results of a sequence are written to ``OUT/parts/<run key>/<sequence>.parquet`` atomically,
+where the run key is a digest of everything that changes the rows (policies, seeds, model,
+store, max_new_tokens, layer certificate): an interrupted run resumes at the first unfinished
+sequence, and a rerun with another grid or seed count into the same ``OUT`` computes its own
+rows instead of returning the old ones. ``OUT/outcomes.parquet`` and ``OUT/summary.json`` are
+rewritten atomically at the end from the current run key's parts. The output directory is
+locked for the run (a second concurrent ``evict`` on it exits 2).
 """
 
 from __future__ import annotations
@@ -31,8 +35,19 @@ def _write_atomic(table: Any, path: Path) -> None:
 
     from tracesim.atomic import atomic_output
 
-    with atomic_output(path) as fh:
+    with atomic_output(path, unique=True) as fh:
         pq.write_table(table, fh)
+
+
+def run_key(policies: Sequence[Any], seeds: Sequence[int], *, model_id: str, store: Any,
+            max_new_tokens: int | None, layer_certificate: bool) -> str:
+    """Digest of everything that determines the outcome rows (the resume key of a run)."""
+    doc = {"policies": [p.id for p in policies], "seeds": [int(s) for s in seeds],
+           "model_id": model_id, "store_model": store.model.to_dict(),
+           "max_new_tokens": max_new_tokens, "layer_certificate": bool(layer_certificate),
+           "store_checksums": hashlib.sha256("\n".join(
+               store.manifest.column("checksum").to_pylist()).encode()).hexdigest()}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def run_evict(
@@ -69,16 +84,15 @@ def run_evict(
     layer_certificate : bool
         Also compute the per-layer output-space certificate at every decode step.
     """
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from tqdm.auto import tqdm
-
-    from capture.evict import decode_policy, layer_plans, outcome_row, prefill_sequence
     from capture.models import LoadedModel, load_model, model_info
-    from capture.runner import eos_token_ids
+    from tracesim.atomic import DirLock, atomic_write_text, remove_stale_tmp
+    from tracesim.errors import check_int, check_out_dir
     from tracesim.store import open_store
 
+    check_int(max_new_tokens, "max_new_tokens", 1, 1 << 20)
+    if isinstance(seeds, int):
+        check_int(seeds, "seeds", 1, 100_000)
+    out = check_out_dir(out)
     store = open_store(store_path)
     if store.is_subset:
         raise ValueError(f"{store_path}: the store holds a subset of the model's layers/heads "
@@ -95,11 +109,38 @@ def run_evict(
         raise ValueError("seeds: expected at least one seed")
     policies = list(policies)
     ids = list(store.sequence_ids) if sequences is None else list(sequences)
-    out = Path(out)
-    parts = out / "parts"
-    parts.mkdir(parents=True, exist_ok=True)
-    for stale in parts.glob("*.tmp"):
-        stale.unlink()
+    missing = [s for s in ids if s not in store]
+    if missing:
+        raise ValueError(f"{store_path}: sequences {missing[:5]} are not in the store")
+    out.mkdir(parents=True, exist_ok=True)
+    lock = DirLock(out, "evict")
+    try:
+        key = run_key(policies, seed_list, model_id=loaded.model_id, store=store,
+                      max_new_tokens=max_new_tokens, layer_certificate=layer_certificate)
+        parts = out / "parts" / key
+        parts.mkdir(parents=True, exist_ok=True)
+        # The lock is held: temporary files here belong to killed runs on this directory.
+        remove_stale_tmp(out)
+        remove_stale_tmp(out / "parts", recursive=True)
+        summary = _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
+                              key, max_new_tokens, layer_certificate, progress)
+        atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+        return summary
+    finally:
+        lock.release()
+
+
+def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts, key,
+                max_new_tokens, layer_certificate, progress) -> dict[str, Any]:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm.auto import tqdm
+
+    from capture.evict import decode_policy, layer_plans, outcome_row, prefill_sequence
+    from capture.runner import eos_token_ids
+    from tracesim.columns import describe_table, nullify_rows
+
     eos = set(eos_token_ids(loaded))
     runs = [(p, s) for p in policies for s in (seed_list if p.needs_seeds else [-1])]
     start = time.time()
@@ -128,16 +169,17 @@ def run_evict(
             row["decode_seconds"] = time.perf_counter() - t0
             rows.append(row)
             bar.update(1)
-        _write_atomic(pa.Table.from_pylist(rows), target)
+        _write_atomic(nullify_rows(rows), target)
         done += 1
     bar.close()
-    tables = [pq.read_table(p) for p in sorted(parts.glob("*.parquet"))]
-    table = pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
+    tables = [pq.read_table(parts / _safe_name(sid)) for sid in ids]
+    table = (describe_table(pa.concat_tables(tables, promote_options="default")) if tables
+             else pa.table({}))
     _write_atomic(table, out / "outcomes.parquet")
     summary = {
         "store": str(store_path), "model_id": loaded.model_id, "n_sequences": len(ids),
         "sequences_written": done, "sequences_skipped": skipped, "n_rows": table.num_rows,
-        "policies": [p.id for p in policies], "seeds": seed_list,
+        "policies": [p.id for p in policies], "seeds": seed_list, "run_key": key,
         "wall_seconds": time.time() - start,
     }
     from tracesim.sweep.compact import find_prereg, sha256_file
@@ -149,7 +191,6 @@ def run_evict(
         df = table.select(["config_id", "correct", "full_correct"]).to_pandas()
         summary["accuracy"] = {k: float(np.mean(v)) for k, v in
                                df.groupby("config_id")["correct"]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -163,18 +204,24 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def _command(args: argparse.Namespace) -> int:
     import yaml
 
+    from tracesim.errors import UsageError, check_int
     from tracesim.sweep.grid import parse_grid
 
     try:
-        doc = yaml.safe_load(Path(args.grid).read_text())
-        if not isinstance(doc, dict):
-            raise ValueError("expected a mapping")
-        grid = doc.get("grid", doc)
-        policies = parse_grid(grid, where=f"{args.grid}: grid")
-        seeds = args.seeds if args.seeds is not None else doc.get("seeds", 4)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        print(f"error: {exc}")
-        return 2
+        doc = yaml.safe_load(Path(args.grid).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{args.grid}: byte {exc.start} is not UTF-8, expected a UTF-8 YAML "
+                         "file") from None
+    except OSError as exc:
+        raise UsageError(f"{args.grid}: cannot read the grid ({exc.strerror or exc})") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise UsageError(f"{args.grid}: not valid YAML: {str(exc)[:300]}") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{args.grid}: expected a mapping with 'grid' (and 'seeds')")
+    grid = doc.get("grid", doc)
+    policies = parse_grid(grid, where=f"{args.grid}: grid")
+    seeds = args.seeds if args.seeds is not None else doc.get("seeds", 4)
+    check_int(seeds, f"{args.grid}: seeds" if args.seeds is None else "--seeds", 1, 100_000)
     summary = run_evict(args.traces, policies, seeds=seeds, out=args.out, model=args.model,
                         max_new_tokens=args.max_new_tokens, device=args.device,
                         layer_certificate=not args.no_layer_certificate)

@@ -137,3 +137,34 @@ def test_input_errors(change, match):
     with pytest.raises(ValueError, match=match):
         hajek_attention(args["q"], args["k"], args["v"], args["pi"], args["kept"],
                         variance=args["variance"])
+
+
+def test_inclusion_probabilities_exact_for_huge_scores():
+    import tracesim
+
+    pi = tracesim.inclusion_probabilities(np.full(512, 1e306), 64)
+    assert pi.sum() == pytest.approx(64.0) and np.allclose(pi, 0.125)
+    x = np.r_[np.full(256, 1e306), np.full(256, 1e305)]
+    mixed = tracesim.inclusion_probabilities(x, 64, mixture=0.1)
+    small = tracesim.inclusion_probabilities(x / 1e300, 64, mixture=0.1)
+    assert mixed.sum() == pytest.approx(64.0)
+    np.testing.assert_allclose(mixed, small, rtol=1e-12)
+    assert mixed[0] > mixed[-1]  # the scores still matter under the mixture
+
+
+@pytest.mark.parametrize("kwargs", [{"scale": np.nan}, {"scale": np.inf}, {"scale": -1.0},
+                                    {"scale": 0.0}, {"query_positions": [-1]}])
+def test_hajek_attention_rejects_bad_scale_and_positions(kwargs):
+    from tracesim import hajek_attention
+
+    rng = np.random.default_rng(0)
+    k, v = rng.normal(size=(6, 4)), rng.normal(size=(6, 3))
+    with pytest.raises(ValueError, match="scale|query_positions"):
+        hajek_attention(rng.normal(size=4), k, v, np.ones(6), **kwargs)
+
+
+def test_hajek_attention_rejects_zero_dimension():
+    from tracesim import hajek_attention
+
+    with pytest.raises(ValueError, match="d >= 1"):
+        hajek_attention(np.zeros(0), np.zeros((3, 0)), np.ones((3, 2)), np.ones(3))

@@ -251,3 +251,57 @@ def test_evict_cli_with_a_checkpoint_directory(tiny_store, tmp_path):
     bad.write_text("grid:\n  score: [nope]\n")
     assert main(["evict", str(path), "--grid", str(bad), "--out", str(tmp_path / "o2"),
                  "--model", str(ckpt)]) == 2
+
+
+def test_evict_sigkill_then_rerun_and_rekeyed_resume(tiny_store, tmp_path):
+    """Kill ``tracesim evict`` after its first sequence part; the rerun equals an uninterrupted
+    run. A rerun with another seed count into the same OUT computes new rows (resume is keyed
+    by configuration and seeds), and a concurrent second run is refused."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pyarrow.parquet as pq
+
+    from capture.evict_run import run_evict
+    from tracesim.atomic import DirLock
+    from tracesim.cli import main
+
+    path, loaded = tiny_store
+    ckpt = tmp_path / "tiny-llama"
+    loaded.model.save_pretrained(ckpt, safe_serialization=True)
+    loaded.tokenizer.save_pretrained(ckpt)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("grid:\n  score: [snapkv]\n  design: [poisson, topk]\n  budget: [0.4]\n"
+                    "  score_params: {snapkv: {window: 8}}\nseeds: 2\n")
+    out = tmp_path / "o"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "tracesim.cli", "evict", str(path),
+                             "--grid", str(grid), "--out", str(out), "--model", str(ckpt)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(out.glob("parts/*/*.parquet")) and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert main(["evict", str(path), "--grid", str(grid), "--out", str(out), "--model",
+                 str(ckpt)]) == 0
+    got = pq.read_table(out / "outcomes.parquet").drop(["decode_seconds"])
+    policies = [make_policy("snapkv", d, 0.4, score_params={"window": 8})
+                for d in ("poisson", "topk")]
+    ref = run_evict(path, policies, seeds=2, out=tmp_path / "ref", model=str(ckpt),
+                    progress=False)
+    want = pq.read_table(tmp_path / "ref" / "outcomes.parquet").drop(["decode_seconds"])
+    assert ref["n_rows"] == got.num_rows and got.equals(want)
+    assert not list(out.rglob("*.tmp"))
+    # Another seed count into the same OUT: new rows, not the old outcomes.
+    again = run_evict(path, policies, seeds=3, out=out, model=str(ckpt), progress=False)
+    assert again["sequences_written"] == 2 and again["n_rows"] == 2 * (3 + 1)
+    with DirLock(out), pytest.raises(ValueError, match="another"):
+        run_evict(path, policies, seeds=2, out=out, model=str(ckpt), progress=False)

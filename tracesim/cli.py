@@ -86,6 +86,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "  tracesim demo --out demo/",
     )
     parser.add_argument("--version", action="version", version=f"tracesim {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of any error")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in _SUBCOMMAND_MODULES:
         entry = _COMMANDS.get(module_name)
@@ -114,7 +116,31 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    if args.debug:
+        return int(args.func(args) or 0)
+    return _run_clean(args)
+
+
+def _run_clean(args: argparse.Namespace) -> int:
+    """Run the subcommand; user errors exit 2 with one line, never a traceback."""
+    from tracesim.errors import describe_os_error
+
+    prog = f"tracesim {args.command}"
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except ValueError as exc:  # UsageError, StoreError, SpecError and invalid parameters
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # disk full, permissions, missing files
+        print(f"{prog}: {describe_os_error(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a bug: one line, the traceback behind --debug
+        print(f"{prog}: internal error {type(exc).__name__}: {exc} (rerun with "
+              "'tracesim --debug ...' for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from tracesim.atomic import atomic_write_text
+
 __all__ = ["SCALES", "DemoScale", "register", "run_demo"]
 
 
@@ -118,7 +120,7 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
 
     t0 = _stage("2/5 replay sweep")
     spec = sweep_spec(sc, traces, results, prereg)
-    (out / "sweep.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    atomic_write_text(out / "sweep.yaml", yaml.safe_dump(spec, sort_keys=False))
     sweep = run_sweep(out / "sweep.yaml", workers=workers)
     print(f"{sweep.n_rows} result rows, {sweep.n_configs} configurations "
           f"({time.perf_counter() - t0:.0f} s)")
@@ -130,14 +132,14 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
                                budget=0.25, n_layers=store.model.n_layers)
     adversary = {"sequence": sid, "layer": layer, "head": 0, "score": "snapkv",
                  "budget": 0.25, "rows": table.to_pylist()}
-    (results / "adversary.json").write_text(json.dumps(adversary, indent=1))
+    atomic_write_text(results / "adversary.json", json.dumps(adversary, indent=1))
     print(f"top-k retained cache identical for every perturbation: "
           f"{all(r['topk_identical'] for r in adversary['rows'])} "
           f"({time.perf_counter() - t0:.0f} s)")
 
     t0 = _stage("4/5 in-loop eviction outcomes")
     grid = evict_grid(sc)
-    (out / "evict.yaml").write_text(yaml.safe_dump(grid, sort_keys=False))
+    atomic_write_text(out / "evict.yaml", yaml.safe_dump(grid, sort_keys=False))
     policies = parse_grid(grid["grid"], where=f"{out / 'evict.yaml'}: grid")
     ev = run_evict(traces, policies, seeds=grid["seeds"], out=outcomes, model=model)
     for config, acc in sorted(ev.get("accuracy", {}).items()):

@@ -163,6 +163,8 @@ def hajek_attention(
     single = q.ndim == 1
     q = _as_float64_2d("query", q[None, :] if single else q)
     d = q.shape[1]
+    if d < 1:
+        raise ValueError(f"query has dimension d = {d}, expected d >= 1")
     k = _as_float64_2d("keys", keys, d)
     N = k.shape[0]
     v = _as_float64_2d("values", values)
@@ -194,10 +196,15 @@ def hajek_attention(
         qpos = np.asarray(query_positions, dtype=np.int64).reshape(-1)
         if qpos.shape != (n_q,):
             raise ValueError(f"query_positions has shape {qpos.shape}, expected ({n_q},)")
+        if (qpos < 0).any():
+            raise ValueError(f"query_positions holds {int(qpos.min())}, expected positions "
+                             ">= 0 (omit query_positions for non-causal attention)")
     offset = np.zeros(N) if logit_offset is None else np.asarray(logit_offset, dtype=np.float64)
     if offset.shape != (N,) or not np.isfinite(offset).all():
         raise ValueError(f"logit_offset must be finite with shape ({N},)")
     scale = d**-0.5 if scale is None else float(scale)
+    if not (np.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale = {scale}: expected a finite float > 0")
 
     idx = np.flatnonzero(keep)
     kk, vk = np.ascontiguousarray(k[idx]), np.ascontiguousarray(v[idx])

@@ -64,6 +64,11 @@ def inclusion_probabilities(
         raise ValueError(f"floor = {floor}: expected a value in [0, 1]")
     if floor * N > n * (1 + 1e-12):
         raise ValueError(f"floor = {floor} is infeasible: N * floor = {floor * N} > n = {n}")
+    # pi is invariant to scaling the scores; dividing by the maximum first keeps the sums
+    # below (and the mixture) finite for any finite input (e.g. 512 scores of 1e306).
+    top = x.max() if N else 0.0
+    if top > 0.0:
+        x = x / top
     total = x.sum()
     if total <= 0.0 and mixture < 1.0:
         raise ValueError("scores are all zero: capped PPS needs at least one positive score")

@@ -102,15 +102,22 @@ def policy_grid(
     merge: bool = True,
 ) -> list[Policy]:
     """Every score × design × budget combination (``full`` once), deduplicated by id and by
-    :func:`~tracesim.policies.equivalence.merge_score_free` (a score the design ignores)."""
+    :func:`~tracesim.policies.equivalence.merge_score_free` (a score the design ignores).
+
+    A budget is a float (a fraction if <= 1, else tokens) or a ``(value, unit)`` pair.
+    """
     from tracesim.policies.equivalence import merge_score_free
 
     out: dict[str, Policy] = {}
     for s in scores:
         for dname in designs:
             for b in budgets:
-                value = float(b)
-                budget = Budget(value, "fraction" if value <= 1 else "tokens", allocator)
+                if isinstance(b, tuple):
+                    value, unit = float(b[0]), str(b[1])
+                else:
+                    value = float(b)
+                    unit = "fraction" if value <= 1 else "tokens"
+                budget = Budget(value, unit, allocator)
                 p = make_policy(s, dname, budget, correction=correction, schedule=schedule,
                                 score_params=(score_params or {}).get(s),
                                 design_params=(design_params or {}).get(dname),

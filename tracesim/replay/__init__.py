@@ -26,17 +26,13 @@ from tracesim.replay.engine import (
     evaluated_queries,
     replay_layer,
 )
-from tracesim.replay.results import METRICS, RESULT_COLUMNS, layer_batch
+from tracesim.replay.results import METRICS, RESULT_COLUMNS, layer_batch, result_schema
 
 __all__ = [
     "METRICS", "RESULT_COLUMNS", "LayerResult", "ReplayOptions", "evaluated_queries",
     "iter_replay", "layer_batch", "load_layer", "replay", "replay_layer", "result_schema",
+    "verify_sequence",
 ]
-
-
-def result_schema() -> pa.Schema:
-    """Arrow schema of replay results."""
-    return pa.schema([pa.field(n, t) for n, t in RESULT_COLUMNS.items()])
 
 
 def load_layer(store, seq, layer: int) -> LayerTrace:
@@ -45,7 +41,7 @@ def load_layer(store, seq, layer: int) -> LayerTrace:
     meta = dict(seq.meta)
     f64 = np.float64
     o_proj = store.o_proj(layer)
-    return LayerTrace(
+    trace = LayerTrace(
         layer=int(layer),
         keys=np.stack([np.asarray(seq.keys(layer, g), dtype=f64) for g in range(m.n_kv_heads)]),
         values=np.stack([np.asarray(seq.values(layer, g), dtype=f64)
@@ -65,6 +61,36 @@ def load_layer(store, seq, layer: int) -> LayerTrace:
         sequence_id=str(seq.sequence_id),
         meta=meta,
     )
+    _check_finite(trace, seq.file, o_proj is not None)
+    return trace
+
+
+def _check_finite(trace: LayerTrace, label: str, o_proj: bool) -> None:
+    """Stored tensors must be finite (a writer never stores NaN/Inf; a damaged store might)."""
+    from tracesim.store import StoreError
+
+    fields = ["keys", "values", "queries", "outputs", "h2o"] + (["o_proj"] if o_proj else [])
+    for name in fields:
+        arr = getattr(trace, name)
+        if not np.isfinite(arr).all():
+            where = "o_proj.arrow" if name == "o_proj" else label
+            raise StoreError(f"{where}: field {name!r} of layer {trace.layer} holds NaN/Inf, "
+                             "expected finite values (damaged store? run tracesim validate)")
+
+
+def verify_sequence(store, seq, checksum: bool = True) -> None:
+    """:meth:`TraceSequence.verify`, remembered per store for unchanged files (a sweep worker
+    verifies each sequence file once, however many tasks read it)."""
+    import os
+
+    st = os.stat(seq.path) if os.path.isfile(seq.path) else None
+    key = (seq.sequence_id, checksum, None if st is None else
+           (st.st_ino, st.st_size, st.st_mtime_ns))
+    cache = store.__dict__.setdefault("_verified", set())
+    if key in cache:
+        return
+    seq.verify(checksum=checksum)
+    cache.add(key)
 
 
 def _seeds(seeds: int | Sequence[int]) -> np.ndarray:
@@ -88,8 +114,20 @@ def iter_replay(
     per_seed: bool = False,
     progress: bool = True,
     options: ReplayOptions | None = None,
+    verify: str = "checksum",
+    skip_damaged: bool = False,
+    skipped: list[str] | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """Replay lazily: one record batch per (sequence, layer). Arguments as :func:`replay`."""
+    """Replay lazily: one record batch per (sequence, layer).
+
+    Arguments as :func:`replay`, plus: ``verify`` (``"checksum"``: structure and sha256 of each
+    sequence file before its first use; ``"structure"``: sizes, index and manifest row only),
+    ``skip_damaged`` (skip a sequence that fails verification instead of raising
+    :class:`~tracesim.store.StoreError`) and ``skipped`` (a list that receives one message per
+    skipped sequence).
+    """
+    if verify not in ("checksum", "structure"):
+        raise ValueError(f"verify = {verify!r}: expected 'checksum' or 'structure'")
     policies = list(configs)
     if not policies or not all(isinstance(p, Policy) for p in policies):
         raise ValueError("configs must be a non-empty list of Policy objects")
@@ -115,6 +153,16 @@ def iter_replay(
     try:
         for sid in seq_ids:
             seq = store[sid]
+            try:
+                verify_sequence(store, seq, checksum=verify == "checksum")
+            except ValueError as exc:
+                if not skip_damaged:
+                    raise
+                if skipped is not None:
+                    skipped.append(str(exc))
+                if bar is not None:
+                    bar.update(len(layer_list))
+                continue
             for layer in layer_list:
                 trace = load_layer(store, seq, layer)
                 result = replay_layer(trace, policies, seed_arr, n_layers, options)

@@ -25,6 +25,20 @@ def _csv(kind):
     return parse
 
 
+def _budget(text: str) -> tuple[float, str]:
+    """A ``--budget`` item, read with the sweep spec's rule (integers are token counts)."""
+    from tracesim.sweep.grid import _budget as spec_budget
+
+    try:
+        value: float = int(text) if text.lstrip("+").isdigit() else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    try:
+        return spec_budget(value, "--budget")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``replay`` subcommand."""
     p = subparsers.add_parser(
@@ -40,9 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "keyformer,random,oracle,full, kvpress ports and plugins)")
     p.add_argument("--design", type=_csv(str), default=["topk", "poisson"],
                    help="comma-separated inclusion designs (topk,poisson,bernoulli,fixed)")
-    p.add_argument("--budget", type=_csv(float), default=[0.25],
+    p.add_argument("--budget", type=_csv(_budget), default=[(0.25, "fraction")],
                    help="comma-separated budgets per (layer, KV head), sinks and window "
-                   "included: fractions of the context (<= 1) or token counts (> 1)")
+                   "included, as in a sweep spec: decimals are fractions of the context in "
+                   "(0, 1] (0.25, 1.0), integers are token counts (512)")
     p.add_argument("--correction", default="auto", choices=("auto", "none", "hajek"),
                    help="Hájek correction of randomized designs; auto: hajek unless the score "
                    "is random or keyformer, none for top-k")
@@ -76,6 +91,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="numba threads (default: numba's, one per core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--skip-damaged", action="store_true",
+                   help="skip sequences that fail verification (default: stop with exit 2)")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run_replay)
 
@@ -142,12 +159,36 @@ def build_policies(args: argparse.Namespace) -> list:
     return policies
 
 
+def _check_args(args: argparse.Namespace) -> Path:
+    """Every argument check that needs no file: raise UsageError before anything is opened."""
+    from tracesim.errors import UsageError, check_int, check_out_dir, check_threads
+
+    check_int(args.seeds, "--seeds", 1, MAX_SEEDS)
+    check_threads(args.threads)
+    if args.window is not None:
+        check_int(args.window, "--window", 0)
+    out = check_out_dir(args.out)
+    if out.exists() and (out / "replay.parquet").is_dir():
+        raise UsageError(f"--out {out}: replay.parquet is a directory, expected a file name")
+    return out
+
+
+#: Largest ``--seeds`` (each seed is one replay of every randomized policy).
+MAX_SEEDS = 100_000
+
+
 def run_replay(args: argparse.Namespace) -> int:
-    """Run the ``replay`` subcommand; return an exit code."""
-    from tracesim.replay import ReplayOptions, iter_replay, result_schema
+    """Run the ``replay`` subcommand; return an exit code.
+
+    Arguments are checked before anything is opened; the output directory is locked for the
+    run; ``replay.parquet``, ``configs.json`` and ``summary.json`` appear only complete (temp
+    file, fsync, rename), and a failed or killed run leaves the previous files untouched.
+    """
+    from tracesim.atomic import DirLock, remove_stale_tmp
     from tracesim.store import StoreError, open_store
 
     try:
+        out = _check_args(args)
         policies = build_policies(args)
         store = open_store(args.traces)
     except (ValueError, StoreError) as exc:
@@ -162,32 +203,48 @@ def run_replay(args: argparse.Namespace) -> int:
         import numba
 
         numba.set_num_threads(args.threads)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "configs.json").write_text(json.dumps(
-        [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
+    lock = DirLock(out, "replay")
+    try:
+        remove_stale_tmp(out)
+        return _replay_locked(args, out, policies, store)
+    finally:
+        lock.release()
+
+
+def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -> int:
+    from tracesim.atomic import atomic_parquet, atomic_write_text
+    from tracesim.replay import ReplayOptions, iter_replay, result_schema
+
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite)
     path = out / "replay.parquet"
     t0 = time.perf_counter()
+    skipped: list[str] = []
     try:
-        with pq.ParquetWriter(path, result_schema()) as writer:
+        with atomic_parquet(path, result_schema()) as writer:
             for batch in iter_replay(store, policies, seeds=args.seeds, layers=args.layers,
                                      sequences=args.sequences, per_seed=args.per_seed,
-                                     progress=not args.no_progress, options=options):
+                                     progress=not args.no_progress, options=options,
+                                     skip_damaged=getattr(args, "skip_damaged", False),
+                                     skipped=skipped):
                 writer.write_batch(batch)
     except ValueError as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
+    atomic_write_text(out / "configs.json", json.dumps(
+        [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
     elapsed = time.perf_counter() - t0
     from tracesim.sweep.compact import find_prereg, sha256_file
 
     prereg = find_prereg(None, args.traces)
-    (out / "summary.json").write_text(json.dumps({
+    atomic_write_text(out / "summary.json", json.dumps({
         "store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
-        "wall_time_s": elapsed,
+        "wall_time_s": elapsed, "skipped_damaged": skipped,
         "prereg": None if prereg is None else {"path": str(prereg),
                                                "sha256": sha256_file(prereg)}}, indent=1))
+    for msg in skipped:
+        print(f"tracesim replay: skipped damaged sequence: {msg}", file=sys.stderr)
     with pq.ParquetFile(path) as fh:  # not read_table, which imports pandas via pyarrow.dataset
         table = fh.read(columns=[
             "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",

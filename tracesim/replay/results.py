@@ -2,7 +2,8 @@
 
 By default rows aggregate the seeds (means, plus ``n_seeds``); ``per_seed=True`` gives one row
 per seed instead. Every row carries its full configuration (:data:`POLICY_COLUMNS`).
-Deterministic policies are replayed once (``n_seeds = 1``; per-seed rows have ``seed = -1``).
+Deterministic policies are replayed once (``n_seeds = 1``; their ``seed`` is null). Values that do
+not apply are Parquet nulls (see :mod:`tracesim.columns` and ``docs/columns.md``).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from tracesim.columns import describe_schema, to_arrow
 from tracesim.coverage import satterthwaite_quantile
 from tracesim.kernels import bounds as KB
 from tracesim.kernels import replay as K
 from tracesim.policies import POLICY_COLUMNS
 from tracesim.replay.engine import LayerResult
 
-__all__ = ["METRICS", "RESULT_COLUMNS", "layer_batch"]
+__all__ = ["METRICS", "RESULT_COLUMNS", "layer_batch", "result_schema"]
 
 #: Metric columns: name -> (kernel field or None, description). Means over seeds unless noted.
 METRICS: dict[str, tuple[int | None, str]] = {
@@ -162,9 +164,15 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
     arrays = []
     for name, typ in RESULT_COLUMNS.items():
         if name in const:
-            arrays.append(pa.array(np.full(n_total, const[name],
-                                           dtype=object if isinstance(const[name], str)
-                                           else None), type=typ))
+            values = np.full(n_total, const[name],
+                             dtype=object if isinstance(const[name], str) else None)
         else:
-            arrays.append(pa.array(np.concatenate(cols[name]), type=typ))
-    return pa.RecordBatch.from_arrays(arrays, names=list(RESULT_COLUMNS))
+            values = np.concatenate(cols[name])
+        # Not applicable (NaN, seed -1, every 0, "") becomes a Parquet null.
+        arrays.append(to_arrow(name, values, typ))
+    return pa.RecordBatch.from_arrays(arrays, schema=result_schema())
+
+
+def result_schema() -> pa.Schema:
+    """Arrow schema of replay results, every field with its description."""
+    return describe_schema(pa.schema([pa.field(n, t) for n, t in RESULT_COLUMNS.items()]))

@@ -32,6 +32,15 @@ LOCK_FILE = ".lock"
 STORAGE_DTYPES = ("float16", "float32")
 QUERY_ROLES = ("context_window", "question_window", "decode", "all")
 
+#: Upper bounds of model.json sizes (far above any real model; they keep an untrusted store from
+#: declaring layouts that cannot be allocated): field -> largest value.
+MODEL_LIMITS = {"n_layers": 4096, "n_heads": 4096, "n_kv_heads": 4096, "head_dim": 16384,
+                "hidden_size": 1 << 20}
+#: Largest number of tensors one sequence file may declare (n_layers * (2 n_kv + 3 n_heads)).
+MAX_TENSORS = 1 << 20
+#: ``scaling`` must lie in (0, MAX_SCALING] (head_dim ** -0.5 is below 1 for every model).
+MAX_SCALING = 16.0
+
 _STEM_MAX = 100
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _SEQ_FILE = re.compile(r"seq/[A-Za-z0-9_-][A-Za-z0-9._-]*\.arrow")
@@ -91,9 +100,15 @@ class ModelMeta:
                 )
         for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
-                raise StoreError(f"ModelMeta: field {name!r} is {value!r}, expected a positive int")
+            hi = MODEL_LIMITS[name]
+            if not _is_int(value) or not 0 < value <= hi:
+                raise StoreError(f"ModelMeta: field {name!r} is {value!r}, expected a positive "
+                                 f"int <= {hi}")
             object.__setattr__(self, name, int(value))
+        n_tensors = self.n_layers * (2 * self.n_kv_heads + 3 * self.n_heads)
+        if n_tensors > MAX_TENSORS:
+            raise StoreError(f"ModelMeta: fields 'n_layers' x (2 n_kv_heads + 3 n_heads) = "
+                             f"{n_tensors} tensors per sequence, expected at most {MAX_TENSORS}")
         if self.n_heads % self.n_kv_heads:
             raise StoreError(
                 f"ModelMeta: field 'n_heads' is {self.n_heads}, expected a multiple of "
@@ -104,9 +119,10 @@ class ModelMeta:
             not isinstance(scaling, (int, float, np.integer, np.floating))
             or isinstance(scaling, (bool, np.bool_))
             or not math.isfinite(float(scaling))
-            or float(scaling) <= 0
+            or not 0 < float(scaling) <= MAX_SCALING
         ):
-            raise StoreError(f"ModelMeta: field 'scaling' is {scaling!r}, expected a float > 0")
+            raise StoreError(f"ModelMeta: field 'scaling' is {scaling!r}, expected a float in "
+                             f"(0, {MAX_SCALING:g}]")
         object.__setattr__(self, "scaling", float(scaling))
         if self.dtype not in STORAGE_DTYPES:
             raise StoreError(
@@ -208,7 +224,8 @@ def member_path(root: Path, rel: Any, label: str) -> Path:
     except OSError:  # pragma: no cover - resolve() failing is exotic
         inside = False
     if not inside:
-        raise StoreError(f"{label}: field 'file' {rel!r} resolves outside the store")
+        raise StoreError(f"{label}: field 'file' {rel!r} resolves outside the store, expected "
+                         "a file inside the store")
     return path
 
 
@@ -289,13 +306,16 @@ def model_json_bytes(model: ModelMeta, o_proj: dict[str, Any] | None,
 
 def parse_model_json(root: Path) -> tuple[ModelMeta | None, dict[str, Any], list[str]]:
     """Read ``model.json``; return ``(model or None, raw dict, problems)``."""
-    path = root / MODEL_FILE
+    from .safe import read_json_bounded
+
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_json_bounded(root, MODEL_FILE)
     except FileNotFoundError:
         return None, {}, [f"{MODEL_FILE}: missing (not a trace store?)"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, {}, [f"{MODEL_FILE}: unreadable JSON ({exc})"]
+    except StoreError as exc:
+        return None, {}, [str(exc)]
+    except OSError as exc:
+        return None, {}, [f"{MODEL_FILE}: unreadable ({exc})"]
     if not isinstance(raw, dict):
         return None, {}, [f"{MODEL_FILE}: expected a JSON object, got {type(raw).__name__}"]
     problems = []

@@ -248,15 +248,20 @@ def empty_manifest() -> pa.Table:
 
 def read_manifest(root: Path) -> pa.Table:
     """Read ``manifest.parquet``, cast to :data:`MANIFEST_SCHEMA`; raise :class:`StoreError`."""
+    from .safe import member_file
+
     path = root / MANIFEST_FILE
     try:
+        member_file(root, MANIFEST_FILE)
         # ParquetFile, not read_table: read_table loads pyarrow.dataset, which imports pandas.
         with pq.ParquetFile(path) as fh:
             table = fh.read()
     except FileNotFoundError:
-        raise StoreError(f"{root}: {MANIFEST_FILE} is missing") from None
+        raise StoreError(f"{root}: {MANIFEST_FILE} is missing, expected one row per "
+                         "finished sequence") from None
     except (OSError, pa.ArrowException) as exc:
-        raise StoreError(f"{root}: {MANIFEST_FILE} is not readable Parquet ({exc})") from None
+        raise StoreError(f"{root}: {MANIFEST_FILE} is not readable Parquet ({exc}), expected "
+                         "the store's manifest") from None
     problems = check_schema(table.schema)
     if problems:
         raise StoreError(f"{root}: " + "; ".join(problems))

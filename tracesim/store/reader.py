@@ -22,9 +22,11 @@ from .format import (
     StoreError,
     member_path,
     read_model_json,
+    sha256_file,
 )
-from .manifest import read_manifest
-from .tensorfile import TensorFile, tensor_name
+from .manifest import check_row, read_manifest
+from .safe import member_file
+from .tensorfile import TensorFile, sequence_layout, tensor_name
 
 
 def _check_index(value: Any, size: int, what: str) -> int:
@@ -68,6 +70,7 @@ class TraceSequence:
         self.sequence_id: str = meta["sequence_id"]
         label = f"{MANIFEST_FILE}: sequence {self.sequence_id!r}"
         self.path = member_path(root, meta["file"], label)
+        self.root = root
         self.file: str = meta["file"]
         self.n_positions = int(meta["n_positions"])
         self.n_query = int(meta["n_query"])
@@ -94,8 +97,77 @@ class TraceSequence:
 
     def _file(self) -> TensorFile:
         if self._tensors is None:
+            try:
+                member_file(self.root, self.file)
+            except FileNotFoundError:
+                raise StoreError(f"{self.file}: file is missing (listed for sequence "
+                                 f"{self.sequence_id!r} in {MANIFEST_FILE}), expected its tensor "
+                                 "file") from None
             self._tensors = TensorFile(self.path, self.file)
         return self._tensors
+
+    def data_bytes(self) -> int:
+        """Bytes of tensor data the manifest row and ``model.json`` imply for this file."""
+        m = self.model
+        item = 2 if m.dtype == "float16" else 4
+        per_layer = (2 * m.n_kv_heads * self.n_positions * m.head_dim * item
+                     + 2 * m.n_heads * self.n_query * m.head_dim * item
+                     + m.n_heads * self.n_positions * 4)
+        return m.n_layers * per_layer
+
+    def verify(self, checksum: bool = True) -> None:
+        """Check this sequence before use; raise :class:`StoreError` naming file and field.
+
+        Structure (always, no tensor byte is read): the manifest row's consistency (query
+        positions in ``[0, n_positions)``, roles, prompt boundaries), model id and dtype, the
+        file is a regular file inside the store whose size equals ``n_bytes`` and covers the
+        declared shapes, and the tensor index matches the layout of ``model.json``. With
+        ``checksum`` also the sha256 of the file bytes (reads the whole file once).
+        """
+        m = self.model
+        row = self.meta
+        label = f"{MANIFEST_FILE}: sequence {self.sequence_id!r}"
+        nulls = [k for k, v in row.items() if v is None]
+        if nulls:
+            raise StoreError(f"{label}: field(s) {nulls} are null, expected values")
+        problems = check_row(row, label)
+        for field, expected in (("model_id", m.model_id), ("dtype", m.dtype)):
+            if row.get(field) != expected:
+                problems.append(f"{label}: field {field!r} is {row.get(field)!r}, expected "
+                                f"{expected!r} (model.json)")
+        if problems:
+            raise StoreError("; ".join(problems[:5]))
+        try:
+            st = member_file(self.root, self.file)
+        except FileNotFoundError:
+            raise StoreError(f"{self.file}: file is missing (listed for sequence "
+                             f"{self.sequence_id!r} in {MANIFEST_FILE}), expected its tensor "
+                                 "file") from None
+        if st.st_size != row["n_bytes"]:
+            raise StoreError(f"{self.file}: file has {st.st_size} bytes, expected n_bytes = "
+                             f"{row['n_bytes']} ({MANIFEST_FILE}; truncated or rewritten?)")
+        need = self.data_bytes()
+        if st.st_size < need:
+            raise StoreError(f"{self.file}: file has {st.st_size} bytes, expected at least "
+                             f"{need} for the shapes declared by model.json and "
+                             f"{MANIFEST_FILE} (n_positions = {self.n_positions}, n_query = "
+                             f"{self.n_query})")
+        if checksum:
+            digest = sha256_file(self.path)
+            if digest != row["checksum"]:
+                raise StoreError(f"{self.file}: field 'checksum' of the file bytes is "
+                                 f"{digest}, expected {row['checksum']} ({MANIFEST_FILE}; "
+                                 "corrupted or rewritten?)")
+        tf = self._file()
+        layout = sequence_layout(m, self.n_positions, self.n_query)
+        if tf.n_batches != len(layout) or len(tf.index) != len(layout):
+            raise StoreError(f"{self.file}: index has {len(tf.index)} tensors in "
+                             f"{tf.n_batches} batches, expected {len(layout)} for this model")
+        for name, shape, dtype, desc in layout:
+            entry = tf.index.get(name)
+            if entry is None or (tuple(entry["shape"]), entry["dtype"]) != (shape, dtype):
+                raise StoreError(f"{self.file}: {desc} is indexed as {entry!r}, expected "
+                                 f"shape {shape} {dtype}")
 
     def _read(self, kind: str, field: str, layer: int, head: int, n_heads: int,
               shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -227,6 +299,24 @@ class TraceStore:
         m = self.model
         layer = _check_index(layer, m.n_layers, "layer")
         if self._o_proj is None:
+            try:
+                st = member_file(self.path, O_PROJ_FILE)
+            except FileNotFoundError:
+                raise StoreError(f"{O_PROJ_FILE}: file is missing, expected by field 'o_proj' "
+                                 "of model.json") from None
+            entry = self._model_json["o_proj"]
+            if st.st_size != entry["n_bytes"]:
+                raise StoreError(f"{O_PROJ_FILE}: file has {st.st_size} bytes, expected "
+                                 f"n_bytes = {entry['n_bytes']} (model.json)")
+            need = m.n_layers * m.hidden_size * m.n_heads * m.head_dim * 4
+            if st.st_size < need:
+                raise StoreError(f"{O_PROJ_FILE}: file has {st.st_size} bytes, expected at "
+                                 f"least {need} for the shapes declared by model.json")
+            digest = sha256_file(self.path / O_PROJ_FILE)
+            if digest != entry["checksum"]:
+                raise StoreError(f"{O_PROJ_FILE}: field 'checksum' of the file bytes is "
+                                 f"{digest}, expected {entry['checksum']} (model.json; "
+                                 "corrupted or rewritten?)")
             self._o_proj = TensorFile(self.path / O_PROJ_FILE, O_PROJ_FILE)
         return self._o_proj.read(tensor_name("o_proj", layer),
                                  (m.hidden_size, m.n_heads * m.head_dim), "float32",

@@ -177,10 +177,9 @@ def write_tensor_file(
 def _parse_index(raw: bytes | None, n_batches: int, label: str) -> dict[str, Any]:
     if raw is None:
         raise StoreError(f"{label}: schema metadata has no {INDEX_KEY.decode()!r} key")
-    try:
-        meta = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StoreError(f"{label}: index metadata is not valid JSON ({exc})") from None
+    from .safe import loads_bounded
+
+    meta = loads_bounded(raw, f"{label}: index metadata")
     if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), dict):
         raise StoreError(f"{label}: index metadata has no 'tensors' object")
     if meta.get("schema_version") != SCHEMA_VERSION:
@@ -233,7 +232,8 @@ class TensorFile:
         except FileNotFoundError:
             raise StoreError(f"{label}: file is missing") from None
         except (OSError, pa.ArrowException) as exc:
-            raise StoreError(f"{label}: not a readable Arrow IPC file ({exc})") from None
+            raise StoreError(f"{label}: not a readable Arrow IPC file ({exc}), expected a "
+                             "tracesim tensor file") from None
         schema = self._reader.schema
         if schema.remove_metadata() != TENSOR_SCHEMA:
             raise StoreError(

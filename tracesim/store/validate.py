@@ -27,6 +27,7 @@ from .format import (
     sha256_file,
 )
 from .manifest import NULLABLE, check_checksum, check_row, check_schema
+from .safe import member_file
 from .tensorfile import TensorFile, sequence_layout, tensor_name
 
 MAX_PROBLEMS_PER_FILE = 20
@@ -78,7 +79,11 @@ def _cap(problems: list[str], what: str) -> list[str]:
 
 def _load_manifest(root: Path, problems: list[str]) -> pa.Table | None:
     try:
+        member_file(root, MANIFEST_FILE)
         table = pq.read_table(root / MANIFEST_FILE)
+    except StoreError as exc:
+        problems.append(str(exc))
+        return None
     except FileNotFoundError:
         problems.append(f"{MANIFEST_FILE}: missing, expected one row per finished sequence")
         return None
@@ -122,12 +127,24 @@ def _check_sequence(
     if name.lower() in seen_files:
         p.append(f"{label}: field 'file' {name!r} is shared with another row, expected unique")
     seen_files.add(name.lower())
-    if not path.is_file():
+    try:
+        size = member_file(root, name).st_size
+    except FileNotFoundError:
         return [*p, f"{name}: file is missing (listed for sequence {sid!r} in {MANIFEST_FILE})"]
-    size = path.stat().st_size
+    except StoreError as exc:
+        return [*p, str(exc)]
+    if not (0 <= row["n_positions"] < 2**31 and 0 <= row["n_query"] < 2**31):
+        return p
     if size != row["n_bytes"]:
         p.append(f"{name}: file has {size} bytes, expected n_bytes = {row['n_bytes']} "
                  "(truncated or rewritten?)")
+    item = 2 if model.dtype == "float16" else 4
+    need = model.n_layers * (2 * model.n_kv_heads * row["n_positions"] * model.head_dim * item
+                             + 2 * model.n_heads * row["n_query"] * model.head_dim * item
+                             + model.n_heads * row["n_positions"] * 4)
+    if size < need:
+        p.append(f"{name}: file has {size} bytes, expected at least {need} for the shapes "
+                 f"declared by model.json and {MANIFEST_FILE}")
     if check_data:
         digest = sha256_file(path)
         if digest != row["checksum"]:
@@ -214,12 +231,20 @@ def _check_h2o(arr: np.ndarray, where: str, prompt_length: int) -> list[str]:
 
 def _check_o_proj(root: Path, model: ModelMeta, entry: dict, check_data: bool) -> list[str]:
     path = root / O_PROJ_FILE
-    if not path.is_file():
+    try:
+        size = member_file(root, O_PROJ_FILE).st_size
+    except FileNotFoundError:
         return [f"{O_PROJ_FILE}: file is missing, expected by field 'o_proj' of model.json"]
+    except StoreError as exc:
+        return [str(exc)]
     p = []
-    if path.stat().st_size != entry["n_bytes"]:
-        p.append(f"{O_PROJ_FILE}: file has {path.stat().st_size} bytes, expected n_bytes = "
+    if size != entry["n_bytes"]:
+        p.append(f"{O_PROJ_FILE}: file has {size} bytes, expected n_bytes = "
                  f"{entry['n_bytes']}")
+    need = model.n_layers * model.hidden_size * model.n_heads * model.head_dim * 4
+    if size < need:
+        return [*p, f"{O_PROJ_FILE}: file has {size} bytes, expected at least {need} for the "
+                "shapes declared by model.json"]
     if check_data and sha256_file(path) != entry["checksum"]:
         p.append(f"{O_PROJ_FILE}: checksum of the file bytes differs from model.json's "
                  f"{entry['checksum']} (corrupted or rewritten?)")

@@ -176,7 +176,7 @@ def run_dask(tasks: Sequence[Task], out_dir: str, spec_hash: str, events: Events
         client = Client(cluster)
         where = f"dask LocalCluster ({workers} x {threads} thread(s))"
     else:
-        client = Client(scheduler)
+        client = Client(scheduler, timeout="10s")
         workers = len(client.nthreads())
         where = f"dask scheduler {scheduler} ({workers} worker(s) now)"
     try:

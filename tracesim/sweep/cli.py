@@ -41,15 +41,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_sweep_command)
 
 
+#: Seconds to wait for a ``--scheduler`` to accept a connection before giving up.
+SCHEDULER_CONNECT_TIMEOUT_S = 5.0
+
+
+def check_scheduler(address: str, timeout: float = SCHEDULER_CONNECT_TIMEOUT_S) -> None:
+    """Fail fast (UsageError) unless ``address`` (``tcp://host:port``) accepts a TCP
+    connection within ``timeout`` seconds."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from tracesim.errors import UsageError
+
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or port is None:
+        raise UsageError(f"--scheduler {address!r}: expected an address 'tcp://HOST:PORT'")
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--scheduler {address!r}: cannot connect within {timeout:g} s "
+                         f"({exc.strerror or exc}), expected a running Dask scheduler") from None
+
+
 def run_sweep_command(args: argparse.Namespace) -> int:
     """Run the ``sweep`` subcommand; return an exit code (2: bad spec, 1: failed tasks)."""
+    from tracesim.errors import UsageError, check_int, check_out_dir, check_threads
     from tracesim.sweep import SpecError, describe, load_spec, run_sweep
 
-    for name in ("workers", "threads_per_worker"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            print(f"tracesim sweep: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
+    try:
+        check_int(args.workers, "--workers", 1, 1024)
+        check_threads(args.threads_per_worker, "--threads-per-worker")
+        check_int(args.retries, "--retries", 0, 100)
+        if args.out is not None:
+            check_out_dir(args.out)
+        if args.scheduler is not None:
+            check_scheduler(args.scheduler)
+    except UsageError as exc:
+        print(f"tracesim sweep: {exc}", file=sys.stderr)
+        return 2
     import warnings
 
     from tracesim.sweep.grid import BudgetWarning

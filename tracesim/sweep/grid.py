@@ -59,6 +59,12 @@ GRID_KEYS: dict[str, tuple[bool, str]] = {
 
 _ALLOCATOR_PARAMS = {"uniform": (), "adakv": ("alpha",), "pyramidkv": ("beta",)}
 
+#: Limits checked before anything is expanded (docs/sweeps.md, "Limits").
+MAX_GRID = 10_000  # configurations of one grid (the product of its lists)
+MAX_LIST = 1_000  # values in one list of a grid
+MAX_INT_PARAM = 1 << 20  # integer hyperparameters (window, sinks, ...) and K of decode:K
+MAX_TOKENS = 2**31 - 1  # token budgets
+
 
 class SpecError(ValueError):
     """An invalid sweep spec or grid; the message names the file and the key."""
@@ -92,6 +98,8 @@ def _as_list(value: Any, where: str) -> list[Any]:
     items = list(value) if isinstance(value, list) else [value]
     if not items:
         raise _fail(where, "is empty; give at least one value")
+    if len(items) > MAX_LIST:
+        raise _fail(where, f"has {len(items)} values, expected at most {MAX_LIST}")
     return items
 
 
@@ -112,6 +120,9 @@ def _budget(value: Any, where: str) -> tuple[float, str]:
         raise _fail(where, f"{value!r} is not a budget; give a fraction in (0, 1] (e.g. 0.25) "
                            "or a token count (an integer >= 1)")
     if isinstance(value, int):
+        if value > MAX_TOKENS:
+            raise _fail(where, f"{value} tokens is out of range; expected a token count "
+                               f"<= {MAX_TOKENS}")
         if value < 1:
             raise _fail(where, f"{value} is not a token budget (an integer >= 1); give "
                                "fractions as floats in (0, 1]")
@@ -146,8 +157,9 @@ def _schedule(value: Any, where: str) -> Schedule:
                            "'decode:K'")
     if not sep:
         return Schedule(kind)
-    if not every.isdigit() or int(every) < 1:
-        raise _fail(where, f"{value!r}: K in 'decode:K' must be an integer >= 1")
+    if not every.isdigit() or not 1 <= int(every) <= MAX_INT_PARAM:
+        raise _fail(where, f"{value!r}: K in 'decode:K' must be an integer >= 1 "
+                           f"and <= {MAX_INT_PARAM}")
     return Schedule("decode", int(every))
 
 
@@ -172,6 +184,10 @@ def _check_type(value: Any, typ: str, where: str) -> Any:
     }.get(typ.split("|")[0].strip(), True)
     if not ok:
         raise _fail(where, f"{value!r} has the wrong type; expected {typ}")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT_PARAM:
+        raise _fail(where, f"{value} is out of range; expected |value| <= {MAX_INT_PARAM}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _fail(where, f"{value!r} is not finite; expected a finite number")
     return float(value) if typ == "float" else value
 
 
@@ -193,6 +209,9 @@ def _param_combos(params: Any, allowed: dict[str, str], where: str) -> list[dict
                                        f"{key}[{i}]" if isinstance(value, list) else key))
         names.append(name)
         options.append(checked)
+    if math.prod(len(o) for o in options) > MAX_GRID:
+        raise _fail(where, f"has {math.prod(len(o) for o in options)} combinations, expected "
+                           f"at most {MAX_GRID}")
     return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*options)]
 
 
@@ -273,6 +292,12 @@ def _expand_one(grid: Any, where: str) -> GridExpansion:
     alloc_types = {"alpha": "float", "beta": "float"}
     alloc_p = _section(grid, "allocator_params", allocators, {a: None for a in ALLOCATORS},
                        where, lambda n: {k: alloc_types[k] for k in _ALLOCATOR_PARAMS[n]})
+    size = (sum(len(score_p[s]) for s in scores) * sum(len(design_p[d]) for d in designs)
+            * len(corrections) * len(budgets) * len(schedules)
+            * sum(len(alloc_p[a]) for a in allocators))
+    if size > MAX_GRID:
+        raise _fail(where, f"has {size} combinations, expected at most {MAX_GRID} (split the "
+                           "sweep)")
     out: dict[str, Policy] = {}
     skipped: list[str] = []
     for s in scores:

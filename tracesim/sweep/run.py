@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 from collections.abc import Mapping
@@ -12,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from tracesim.atomic import DirLock, atomic_write_text, remove_stale_tmp
 from tracesim.sweep.backends import BACKENDS, Events, run_dask, run_local
 from tracesim.sweep.compact import (
     RESULTS_FILE,
@@ -101,31 +101,16 @@ def _threads(workers: int, threads: int | None) -> int:
     return max(1, default_workers() // max(1, workers))
 
 
-class _Lock:
-    """An exclusive flock on ``OUT/.sweep.lock`` (released when the process exits)."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.fd = os.open(out_dir / ".sweep.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise RuntimeError(f"{out_dir}: another sweep is running on this output "
-                               "directory") from None
-
-    def release(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-
-
 def _prepare(spec: SweepSpec, plan: TaskPlan, out_dir: Path) -> None:
     (out_dir / "tasks").mkdir(parents=True, exist_ok=True)
-    for stale in (out_dir / "tasks").rglob(".*.tmp"):
-        stale.unlink(missing_ok=True)
+    # The output lock is held: temporary files left here belong to killed runs.
+    remove_stale_tmp(out_dir / "tasks", recursive=True)
+    remove_stale_tmp(out_dir / "results")
+    remove_stale_tmp(out_dir)
     write_configs(out_dir, plan, spec)
     write_json(out_dir / "spec.json", {"source": spec.source, "spec": spec.raw,
                                        "spec_hash": plan.spec_hash})
-    (out_dir / "spec.yaml").write_text(yaml.safe_dump(spec.raw, sort_keys=False))
+    atomic_write_text(out_dir / "spec.yaml", yaml.safe_dump(spec.raw, sort_keys=False))
 
 
 def _progress(total: int, initial: int, enabled: bool):
@@ -172,13 +157,22 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
         backend = "dask"
     if backend not in BACKENDS:
         raise ValueError(f"backend = {backend!r}: expected one of {BACKENDS}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
+        raise ValueError(f"retries = {retries!r}: expected an int in [0, 100]")
+    for name, value in (("workers", workers), ("threads_per_worker", threads_per_worker)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= 1024):
+            raise ValueError(f"{name} = {value!r}: expected an int in [1, 1024]")
     spec = resolve_spec(spec_or_path, out)
     if spec.output is None:
         raise SpecError(f"{spec.source}: output: missing; give 'output: DIR' in the spec or "
                         "--out DIR")
     out_dir = spec.output
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpecError(f"{spec.source}: output: {out_dir} is not a directory, expected a "
+                        "directory (or a path that can be created)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    lock = _Lock(out_dir)
+    lock = DirLock(out_dir, "sweep")
     try:
         plan = plan_tasks(spec)
         _prepare(spec, plan, out_dir)

@@ -46,6 +46,11 @@ _OPTION_KEYS = {"alpha": "float", "output_space": "bool", "satterthwaite": "bool
                 "roles": "list"}
 _ROLES = ("context_window", "question_window", "decode", "all")
 _PARTITION_KEYS = ("layers_per_task", "max_task_memory_mb")
+#: Limits checked before anything is expanded (docs/sweeps.md, "Limits").
+MAX_SEEDS = 100_000  # number of seeds
+MAX_SEED = 2**32 - 1  # largest seed value
+MAX_LAYER = 4095  # largest layer index (model.json allows at most 4096 layers)
+MAX_SPEC_BYTES = 1 << 20  # size of a spec file
 
 
 def code_fingerprint() -> str:
@@ -204,9 +209,15 @@ def _layers(value: Any, where: str) -> tuple[int, ...] | None:
             raise SpecError(f"{where}.stop: missing")
         start = _int(value.get("start", 0), f"{where}.start")
         stop = _int(value["stop"], f"{where}.stop")
+        if stop > MAX_LAYER + 1:
+            raise SpecError(f"{where}.stop: {stop} is out of range, expected <= "
+                            f"{MAX_LAYER + 1}")
         step = _int(value.get("step", 1), f"{where}.step", 1)
         out = tuple(range(start, stop, step))
     elif isinstance(value, list):
+        if len(value) > MAX_LAYER + 1:
+            raise SpecError(f"{where}: lists {len(value)} layers, expected at most "
+                            f"{MAX_LAYER + 1}")
         out = tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
     elif isinstance(value, int) and not isinstance(value, bool):
         out = (_int(value, where),)
@@ -215,6 +226,8 @@ def _layers(value: Any, where: str) -> tuple[int, ...] | None:
                         f"step}}, got {value!r}")
     if not out:
         raise SpecError(f"{where}: selects no layer")
+    if max(out) > MAX_LAYER:
+        raise SpecError(f"{where}: layer {max(out)} is out of range, expected <= {MAX_LAYER}")
     if len(set(out)) != len(out):
         raise SpecError(f"{where}: layers repeat")
     return tuple(sorted(out))
@@ -224,13 +237,20 @@ def _seeds(value: Any, where: str) -> tuple[int, ...]:
     if isinstance(value, list):
         if not value:
             raise SpecError(f"{where}: is empty; give a count or a list of ints")
+        if len(value) > MAX_SEEDS:
+            raise SpecError(f"{where}: lists {len(value)} seeds, expected at most {MAX_SEEDS}")
         seeds = tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
+        if max(seeds) > MAX_SEED:
+            raise SpecError(f"{where}: seed {max(seeds)} is out of range, expected seeds in "
+                            f"[0, {MAX_SEED}]")
         if len(set(seeds)) != len(seeds):
             raise SpecError(f"{where}: seeds repeat")
         return seeds
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecError(f"{where}: expected a number of seeds (an int >= 1) or a list of "
                         f"distinct ints >= 0, got {value!r} ({_type_name(value)})")
+    if value > MAX_SEEDS:
+        raise SpecError(f"{where}: {value} seeds, expected at most {MAX_SEEDS}")
     return tuple(range(value))
 
 
@@ -397,11 +417,20 @@ def load_spec(path: str | Path, *, output: str | Path | None = None) -> SweepSpe
     """Read a YAML spec with ``yaml.safe_load`` and validate it (see :func:`parse_spec`)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.exists() and not path.is_file():
+            raise SpecError(f"{path}: cannot read the spec: not a regular file, expected a "
+                            "YAML spec file")
+        if path.stat().st_size > MAX_SPEC_BYTES:
+            raise SpecError(f"{path}: spec has {path.stat().st_size} bytes, expected at most "
+                            f"{MAX_SPEC_BYTES}")
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: byte {exc.start} is not UTF-8, expected a UTF-8 YAML "
+                        "file") from None
     except OSError as exc:
         raise SpecError(f"{path}: cannot read the spec: {exc.strerror or exc}") from None
     try:
         doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise SpecError(f"{path}: not valid YAML: {str(exc)[:300]}") from None
     return parse_spec(doc, source=str(path), base_dir=path.parent.resolve(), output=output)

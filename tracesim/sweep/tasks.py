@@ -38,10 +38,11 @@ _ROW_BYTES = 8 * 64     # bytes per result row in flight (Arrow batch + numpy in
 
 def sweep_schema() -> pa.Schema:
     """Schema of task files and of the compacted results: ``store``, ``model_id``, replay's."""
+    from tracesim.columns import describe_schema
     from tracesim.replay import result_schema
 
-    return pa.schema([pa.field("store", pa.string()), pa.field("model_id", pa.string()),
-                      *result_schema()])
+    return describe_schema(pa.schema([pa.field("store", pa.string()),
+                                      pa.field("model_id", pa.string()), *result_schema()]))
 
 
 @dataclass(frozen=True)

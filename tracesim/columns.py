@@ -1,0 +1,182 @@
+"""Column descriptions and null encoding shared by every Parquet table tracesim writes.
+
+"Not applicable" is a Parquet **null**, never NaN or a sentinel. :func:`to_arrow` turns the
+in-memory conventions (NaN in float columns, ``-1`` seeds, ``0`` for ``every`` without a
+decode schedule, ``""`` in configuration strings, empty ``certificate_by_layer`` lists) into
+nulls, so code that adds a float column only needs NaN for "not applicable". Every field
+carries its description in the Arrow field metadata (key ``description``);
+``docs/columns.md`` is the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = ["COLUMN_DOCS", "DESCRIPTION_KEY", "INT_SENTINELS", "describe_schema",
+           "describe_table", "description", "nullify_rows", "to_arrow"]
+
+DESCRIPTION_KEY = b"description"
+
+#: Integer sentinels that mean "not applicable" in memory: column -> value.
+INT_SENTINELS: dict[str, int] = {"seed": -1, "every": 0}
+#: String columns whose empty string means "not applicable" (an empty answer is a value).
+EMPTY_STRING_NULL = frozenset({"budget_unit", "allocator", "design_kind", "task"})
+
+#: Descriptions of every column of replay results, sweep results and evict outcomes.
+COLUMN_DOCS: dict[str, str] = {
+    # identification
+    "store": "label of the trace store (sweep results)",
+    "model_id": "model that produced the traces (sweep results)",
+    "sequence_id": "id of the recorded sequence in its store",
+    "task": "task of the sequence (e.g. passkey); null if unknown",
+    "correct": "whether the answer was graded correct (full-cache run in replay rows, the "
+               "evicted run in outcomes)",
+    "layer": "decoder layer index (0-based)",
+    "head": "query head index",
+    "kv_head": "KV head of the query head (head // group size)",
+    "query_index": "index of the query in the sequence's recorded query positions",
+    "query_position": "token position of the query",
+    "query_role": "role of the query: context_window, question_window, decode or all",
+    "prompt_length": "prompt tokens of the sequence",
+    "n_positions": "stored positions (prompt + generated tokens)",
+    # configuration
+    "config_id": "stable id of the policy (score|design|correction|budget|schedule)",
+    "score": "importance score (streaming, h2o, snapkv, tova, knorm, vnorm, keyformer, "
+             "random, full)",
+    "design": "inclusion design (topk, poisson, bernoulli, fixed; none for full)",
+    "correction": "estimator correction: hajek or none",
+    "budget": "budget value: a fraction of the compressible range or a token count; null "
+              "for full",
+    "budget_unit": "unit of budget: fraction or tokens; null for full",
+    "allocator": "budget allocator across KV heads and layers: uniform, adakv, pyramidkv; "
+                 "null for full",
+    "alpha": "AdaKV allocator alpha; null unless allocator = adakv",
+    "beta": "PyramidKV allocator beta; null unless allocator = pyramidkv",
+    "schedule": "eviction schedule: oneshot or decode",
+    "every": "decode steps between eviction events; null unless schedule = decode",
+    "sinks": "first positions always kept (take-all)",
+    "window": "last positions of the compressible range always kept (take-all)",
+    "top_fraction": "fraction of the tail budget kept by score rank (take-all)",
+    "mixture": "defensive mixture weight of the design; null if the design has none",
+    "floor": "lower bound on inclusion probabilities; null if the design has none",
+    "design_kind": "order-sampling kind of the fixed design (pareto, sequential); null "
+                   "otherwise",
+    "score_params": "JSON of the score-specific hyperparameters",
+    "certified": "randomized design with Hajek correction: certificates and coverage apply",
+    # bookkeeping
+    "seed": "seed of the row (per-seed rows of randomized policies); null when aggregated "
+            "over seeds or for a deterministic policy",
+    "n_seeds": "seeds aggregated in the row (1 for deterministic policies)",
+    "event": "eviction event the query falls after (0 = first event)",
+    "context_tokens": "compressible tokens at the first event",
+    "nominal_tokens": "nominal kept tokens of the budget at the first event",
+    "budget_tokens": "kept-token budget of the KV head at the query's event",
+    "truth_norm": "|o|, norm of the full-cache attention output (value units)",
+    "output_check": "|o_stored - o_recomputed| / |o|: stored outputs vs float64 recomputation",
+    # evict outcomes
+    "answer": "decoded answer under eviction",
+    "gold": "gold answer",
+    "full_correct": "the full-cache run's verdict (from the store)",
+    "failure": "cache_induced (full right, evicted wrong), inherent (both wrong), recovered "
+               "(full wrong, evicted right), none (both right)",
+    "same_tokens_as_full": "the evicted run generated exactly the full-cache tokens",
+    "n_generated": "tokens generated under eviction",
+    "logprob_mean": "mean log-probability of the generated tokens under eviction",
+    "logprob_min": "smallest log-probability of a generated token",
+    "logprob_first": "log-probability of the first generated token",
+    "certificate_mean": "mean certificate C over decode steps, layers and heads; null "
+                        "unless certified",
+    "certificate_max": "largest certificate C over decode steps, layers and heads; null "
+                       "unless certified",
+    "layer_certificate_mean": "mean output-space certificate over steps and layers; null "
+                              "unless computed",
+    "layer_certificate_max": "largest output-space certificate; null unless computed",
+    "certificate_by_layer": "mean certificate C per layer; null unless certified",
+    "kept_tokens_mean": "mean kept prompt tokens per (layer, KV head)",
+    "kept_fraction": "kept_tokens_mean / prompt_length",
+    "memory_tokens": "kept prompt tokens summed over layers and KV heads",
+    "full_memory_tokens": "prompt tokens summed over layers and KV heads (full cache)",
+    "decode_seconds": "wall time of the decode (s)",
+}
+
+
+def description(name: str) -> str:
+    """Description of column ``name`` (replay metrics come from their METRICS entry)."""
+    if name in COLUMN_DOCS:
+        return COLUMN_DOCS[name]
+    from tracesim.replay.results import METRICS
+
+    if name in METRICS:
+        return METRICS[name][1].replace("NaN", "null")
+    return ""
+
+
+def describe_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with every field's ``description`` metadata set (kept if already there)."""
+    out = []
+    for f in schema:
+        meta = dict(f.metadata or {})
+        if DESCRIPTION_KEY not in meta:
+            meta[DESCRIPTION_KEY] = description(f.name).encode()
+        out.append(f.with_metadata(meta))
+    return pa.schema(out, metadata=schema.metadata)
+
+
+def describe_table(table: pa.Table) -> pa.Table:
+    """``table`` with descriptions on its fields."""
+    return table.cast(describe_schema(table.schema))
+
+
+def to_arrow(name: str, values: Any, typ: pa.DataType | None = None) -> pa.Array:
+    """An Arrow array of column ``name`` with "not applicable" values as nulls.
+
+    NaN in a float column, the :data:`INT_SENTINELS` value, an empty string and an empty list
+    become null.
+    """
+    if isinstance(values, np.ndarray) and values.dtype != object:
+        mask = None
+        if values.dtype.kind == "f":
+            mask = np.isnan(values)
+        elif values.dtype.kind in "iu" and name in INT_SENTINELS:
+            mask = values == INT_SENTINELS[name]
+        if mask is not None and not mask.any():
+            mask = None
+        return pa.array(values, type=typ, mask=mask)
+    items = list(values)
+    if typ is None:
+        try:
+            typ = pa.array(items).type
+        except (pa.ArrowException, ValueError, TypeError):
+            typ = None
+        if typ is not None and (pa.types.is_null(typ) or (
+                pa.types.is_list(typ) and pa.types.is_null(typ.value_type))):
+            typ = pa.list_(pa.float64()) if pa.types.is_list(typ) else None
+    clean = [None if _missing(name, v) else v for v in items]
+    return pa.array(clean, type=typ)
+
+
+def _missing(name: str, v: Any) -> bool:
+    if v is None:
+        return True
+    if isinstance(v, float):
+        return v != v
+    if isinstance(v, str):
+        return v == "" and name in EMPTY_STRING_NULL
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return INT_SENTINELS.get(name) == int(v)
+    if isinstance(v, (list, tuple, np.ndarray)):
+        return len(v) == 0
+    return False
+
+
+def nullify_rows(rows: list[Mapping[str, Any]]) -> pa.Table:
+    """A described table from row dicts, with not-applicable values as nulls."""
+    names: list[str] = []
+    for r in rows:
+        names += [k for k in r if k not in names]
+    cols = {n: to_arrow(n, [r.get(n) for r in rows]) for n in names}
+    return describe_table(pa.table(cols)) if cols else pa.table({})
