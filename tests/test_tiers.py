@@ -205,15 +205,10 @@ def test_run_resumes_locks_and_cli(tmp_path, capsys):
     assert main(["tiers", "store", "--spec", str(bad), "--out", str(tmp_path / "o2")]) == 2
     assert "bandwidth_gbps" in capsys.readouterr().err
     # a second writer on the same output is refused
-    import fcntl
-    import os
-    fd = os.open(out / ".tiers.lock", os.O_RDWR)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
+    from tracesim.atomic import DirLock
+    with DirLock(out, "test"):
         assert main(["tiers", "--spec", str(spec_path), "--out", str(out), "--quiet"]) == 2
-        assert "another tiers run" in capsys.readouterr().err
-    finally:
-        os.close(fd)
+        assert "another test run" in capsys.readouterr().err
 
 
 def test_analysis_curves_tests_and_figure(tmp_path):

@@ -3,13 +3,12 @@
 ``OUT/parts/<n>.parquet`` is written atomically per sequence and policy, with the spec hash in
 its metadata, so a killed run resumes where it stopped and a changed spec never mixes rows.
 When every part exists they are concatenated into ``OUT/tiers.parquet`` and
-``OUT/summary.json`` is written (both atomically). An exclusive lock on ``OUT/.tiers.lock``
-refuses a second concurrent run on the same output.
+``OUT/summary.json`` is written (both atomically). The shared output lock
+(:class:`tracesim.atomic.DirLock`) refuses a second concurrent run on the same output.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import io
 import json
@@ -23,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tracesim.atomic import atomic_write_bytes
+from tracesim.atomic import DirLock, atomic_write_bytes
 from tracesim.policies import Policy
 from tracesim.replay import load_layer
 from tracesim.tiers.simulate import simulate_layer
@@ -69,16 +68,6 @@ def tiers_schema(tier_names: tuple[str, ...]) -> pa.Schema:
                         metadata={"description": f"bytes fetched from {n} by the layer at this "
                                                  "step"}) for n in tier_names]
     return pa.schema(fields)
-
-
-def _lock(out: Path) -> int:
-    fd = os.open(out / ".tiers.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(f"{out}: another tiers run holds this output directory") from None
-    return fd
 
 
 def _part_ok(path: Path, spec_hash: str) -> bool:
@@ -186,7 +175,7 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
     out.mkdir(parents=True, exist_ok=True)
     parts = out / "parts"
     parts.mkdir(exist_ok=True)
-    fd = _lock(out)
+    lock = DirLock(out, "tiers")
     try:
         t0 = time.perf_counter()
         n_layers = store.model.n_layers
@@ -232,8 +221,7 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
                            (json.dumps(summary, indent=2, default=str) + "\n").encode())
         return summary
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        lock.release()
 
 
 def _run_dask(spec: TiersSpec, store_path: str, todo: list, workers: int,
