@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes (default: one per core)")
     p.add_argument("--threads-per-worker", type=int, default=None,
-                   help="numba/BLAS threads per worker (default: cores // workers)")
+                   help="numba/BLAS threads per worker (default 1: one worker = one core)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="address of an existing Dask scheduler (implies --backend dask)")
     p.add_argument("--out", default=None, metavar="DIR",
