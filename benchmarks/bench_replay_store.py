@@ -69,12 +69,13 @@ def main(argv: list[str] | None = None) -> None:
                 tabs.it_slot = np.zeros(args.seeds, np.int64)
                 tabs.it_kslot = np.full(args.seeds, -1, np.int64)
                 u = seed_uniforms(seeds, layer, trace.n_kv_heads, trace.n_positions)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 torch_replay(trace, pols, tabs, u)
                 timings["torch_math"] += time.perf_counter() - t0
+                timings["torch_cpu"] += time.process_time() - c0
 
     times: dict[str, list[float]] = {"off": [], "on": [], "torch": []}
-    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": [], "torch": []}
     print(f"store {args.store}: {len(sids)} sequence(s) x {n_layers} layers; {pols[0].id} x "
           f"{args.seeds} seeds; numba threads {numba.get_num_threads()}; load "
           f"{os.getloadavg()}", flush=True)
@@ -87,16 +88,19 @@ def main(argv: list[str] | None = None) -> None:
             cpu[name].append(time.process_time() - c)
             print(f"  round {r}: numba {name:3s} {times[name][-1]:6.2f} s (CPU "
                   f"{cpu[name][-1]:.2f} s) [load {os.getloadavg()[0]:.1f}]", flush=True)
-        timings = {"torch_math": 0.0}
+        timings = {"torch_math": 0.0, "torch_cpu": 0.0}
         run_torch()
         times["torch"].append(timings["torch_math"])
-        print(f"  round {r}: torch     {times['torch'][-1]:6.2f} s (math only) "
+        cpu["torch"].append(timings["torch_cpu"])
+        print(f"  round {r}: torch     {times['torch'][-1]:6.2f} s (math only; CPU "
+              f"{cpu['torch'][-1]:.2f} s) "
               f"[load {os.getloadavg()[0]:.1f}]", flush=True)
     med = {k: float(np.median(v)) for k, v in times.items()}
     mcpu = {k: float(np.median(v)) for k, v in cpu.items()}
     print(f"medians of {args.rounds}: off {med['off']:.2f} s, on {med['on']:.2f} s, torch "
           f"{med['torch']:.2f} s -> torch/off {med['torch'] / med['off']:.2f}x, on/off "
-          f"{med['on'] / med['off']:.2f}x (CPU: on/off {mcpu['on'] / mcpu['off']:.2f}x); load "
+          f"{med['on'] / med['off']:.2f}x (CPU: torch/off {mcpu['torch'] / mcpu['off']:.2f}x, "
+          f"on/off {mcpu['on'] / mcpu['off']:.2f}x); load "
           f"at end {os.getloadavg()}")
 
 

@@ -70,9 +70,9 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
     tail = certify and mt > 0
     npx = G * (G - 1) // 2 if use_os else 0
     nf = R if (tail and fixed_var) else 0
-    Wd = np.empty((R if tail else 0, mt))
+    Wd = np.empty((R if tail else 0, mt), Vg.dtype)
     # Cross-pair rows (output space) then fixed-size centring rows share one GEMM with V.
-    Wxf = np.empty(((nqe * npx if tail else 0) + nf, mt))
+    Wxf = np.empty(((nqe * npx if tail else 0) + nf, mt), Vg.dtype)
     sx = np.zeros((nqe * npx, 2))
     for a in range(nqe):
         q = qrows[a]
@@ -146,17 +146,17 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
                     x += 1
     if tail:
         # One GEMM gives both sum (1-pi) w^2 v and sum (1-pi) w^2 v^2 (Wald diagonal).
-        VV = np.empty((mt, 2 * d))
+        VV = np.empty((mt, 2 * d), Vg.dtype)
         for j in range(mt):
             for k in range(d):
                 vk = Vk[j, k]
                 VV[j, k] = vk
                 VV[j, d + k] = vk * vk
         TD = np.dot(Wd, VV)
-        XF = np.dot(Wxf, Vk[:mt]) if Wxf.shape[0] > 0 else np.zeros((0, d))
+        XF = np.dot(Wxf, Vk[:mt]) if Wxf.shape[0] > 0 else np.zeros((0, d), Vg.dtype)
     else:
-        TD = np.zeros((0, 2 * d))
-        XF = np.zeros((0, d))
+        TD = np.zeros((0, 2 * d), Vg.dtype)
+        XF = np.zeros((0, d), Vg.dtype)
     est3 = np.empty((G, nqe, d))
     diag = np.empty(d)
     mu = np.zeros(d)

@@ -54,16 +54,18 @@ def estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv):
 
     Returns ``(We (R, m), Vk (m, d), X (R, d), Z (R,))`` with row ``r = a * G + hh``. The truth
     and every policy go through this function, so ``full`` reproduces the truth bit for bit.
+    ``We``, ``Vk`` and the GEMM ``X`` have the dtype of ``Vg`` (float32 in the float32 mode);
+    the normalisers ``Z`` are float64 sums.
     """
     nqe = qrows.size
     d = Vg.shape[1]
     R = nqe * G
-    Vk = np.empty((m, d))
+    Vk = np.empty((m, d), Vg.dtype)
     for j in range(m):
         p = kept_idx[j]
         for k in range(d):
             Vk[j, k] = Vg[p, k]
-    We = np.empty((R, m))
+    We = np.empty((R, m), Vg.dtype)
     Z = np.zeros(R)
     for a in range(nqe):
         q = qrows[a]
@@ -79,7 +81,7 @@ def estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv):
     if R > 0 and m > 0:
         X = np.dot(We, Vk)
     else:
-        X = np.zeros((R, d))
+        X = np.zeros((R, d), Vg.dtype)
     return We, Vk, X, Z
 
 

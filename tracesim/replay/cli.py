@@ -55,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sequences", type=_csv(str), default=None,
                    help="sequence ids (default: all)")
     p.add_argument("--per-seed", action="store_true", help="one row per seed (small runs)")
+    p.add_argument("--precision", choices=("float64", "float32"), default="float64",
+                   help="value GEMMs in float64 (reference, default) or float32")
     p.add_argument("--satterthwaite", action="store_true",
                    help="also compute tr(V^2) for the vector-level event (slow)")
     p.add_argument("--no-output-space", action="store_true",
@@ -134,7 +136,7 @@ def run_replay(args: argparse.Namespace) -> int:
     (out / "configs.json").write_text(json.dumps(
         [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
     options = ReplayOptions(output_space=not args.no_output_space,
-                            satterthwaite=args.satterthwaite)
+                            satterthwaite=args.satterthwaite, precision=args.precision)
     path = out / "replay.parquet"
     t0 = time.perf_counter()
     try:

@@ -28,9 +28,9 @@ from tracesim.kernels.replay_events import (
 from tracesim.policies import LayerTrace, Policy
 from tracesim.replay.inclusion import InclusionTables, build_inclusion, seed_uniforms
 
-__all__ = ["LOGIT_BUDGET_BYTES", "OUTPUT_CHECK_TOLERANCE", "GramBlocks", "LayerResult",
-           "ReplayOptions", "ReplaySetup", "evaluated_queries", "gram_blocks", "query_chunk",
-           "replay_layer", "t_table", "token_quadratic_forms"]
+__all__ = ["LOGIT_BUDGET_BYTES", "OUTPUT_CHECK_TOLERANCE", "PRECISIONS", "GramBlocks",
+           "LayerResult", "ReplayOptions", "ReplaySetup", "evaluated_queries", "gram_blocks",
+           "query_chunk", "replay_layer", "t_table", "token_quadratic_forms"]
 
 #: Largest accepted ``max |o_stored - o_recomputed| / |o|`` before a warning (fp16 stores
 #: measure ~2e-4 median and ~5e-3 worst on the SmolLM2 sample traces).
@@ -39,6 +39,8 @@ OUTPUT_CHECK_TOLERANCE = 0.02
 #: replayed in passes over chunks of the evaluated queries (64 MiB: all queries up to
 #: P ~ 29k at 9 heads x 32 queries).
 LOGIT_BUDGET_BYTES = 64 << 20
+#: Accepted ``ReplayOptions.precision`` values (float64 is the reference).
+PRECISIONS = ("float64", "float32")
 #: Positions per block when forming the per-token quadratic forms ``v^T Gamma v``.
 POSITION_CHUNK = 16384
 
@@ -60,16 +62,26 @@ class ReplayOptions:
     roles : tuple of str, optional
         Query roles to evaluate. Default: ``decode`` queries, or ``question_window`` ones when
         the sequence stores no decode query.
+    precision : {"float64", "float32"}, default "float64"
+        Storage of the logits, kept values and Hájek weight matrices, and so of the value
+        GEMMs (DGEMM or SGEMM). Row sums, normalisers, certificates' scalar terms, the truth
+        normaliser, the Gram products and the layer error stay float64. ``float64`` is the
+        reference mode (agreement with the plain-numpy replay to 1e-10); ``float32`` agrees
+        to the tolerance documented in ``docs/replay.md`` and halves the logit memory.
     """
 
     alpha: float = 0.05
     output_space: bool = True
     satterthwaite: bool = False
     roles: tuple[str, ...] | None = None
+    precision: str = "float64"
 
     def __post_init__(self) -> None:
         if not 0.0 < float(self.alpha) < 1.0:
             raise ValueError(f"ReplayOptions.alpha = {self.alpha}: expected (0, 1)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"ReplayOptions.precision = {self.precision!r}: expected one of "
+                             f"{PRECISIONS}")
 
 
 def evaluated_queries(trace: LayerTrace, roles: tuple[str, ...] | None = None) -> np.ndarray:
@@ -249,7 +261,7 @@ def query_chunk(n_heads: int, n_query: int, n_positions: int,
     ``budget_bytes`` (default :data:`LOGIT_BUDGET_BYTES`; at least one query, all of them when
     they fit)."""
     budget_bytes = LOGIT_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
-    per_query = n_heads * n_positions * 8
+    per_query = n_heads * n_positions * 8  # float64 bytes (float32 mode: half the budget)
     return int(min(n_query, max(1, budget_bytes // max(per_query, 1))))
 
 
@@ -319,7 +331,6 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
         u = seed_uniforms(seeds, trace.layer, n_kv, P)
         tables = build_inclusion(trace, policies, seeds, qpos, u, n_layers)
         V = np.ascontiguousarray(trace.values, dtype=np.float64)
-        K = np.ascontiguousarray(trace.keys, dtype=np.float64)
         vn2 = np.einsum("gpd,gpd->gp", V, V)
         _, pidx = _pairs(G)
         gram = setup.gram(trace)
@@ -330,12 +341,16 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
         else:
             gam, gamt, wo_t = gram.gam, gram.gamt, gram.wo_t
             vq = token_quadratic_forms(V, gam)
+        dt = np.dtype(options.precision)
+        K = np.ascontiguousarray(trace.keys, dtype=dt)
+        if dt != np.float64:
+            V = V.astype(dt)
         kmask = tables.kmask if tables.kmask.shape[0] else np.zeros((1, n_kv, P), np.uint8)
         n_it = tables.it_cfg.size
         out = np.empty((n_it, H, NQ, N_FIELDS))
         lout = np.empty((n_it, NQ, N_LAYER_FIELDS))
         step = query_chunk(H, NQ, P)
-        Q = np.ascontiguousarray(trace.queries[:, qidx], dtype=np.float64)
+        Q = np.ascontiguousarray(trace.queries[:, qidx], dtype=dt)
         for q0 in range(0, NQ, step):
             q1 = min(NQ, q0 + step)
             whole = q0 == 0 and q1 == NQ
@@ -345,7 +360,7 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
                 ev_qptr, ev_q = _chunk_events(tables.ev_qptr, tables.ev_q, q0, q1)
             nq = q1 - q0
             qp = qpos[q0:q1]
-            E = np.empty((H, nq, P))
+            E = np.empty((H, nq, P), dtype=dt)
             exp_logits_kernel(np.ascontiguousarray(Q[:, q0:q1]), K, qp, float(trace.scale), G,
                               E)
             tr = np.empty((H, nq, d))
