@@ -63,7 +63,9 @@ def sgemm_rate(n: int = 4096, repeats: int = 3, threads: int = 2) -> tuple[float
 
 
 def policies() -> list:
-    return [make_policy(s, d, b, design_params={"mixture": 0.1} if d == "poisson" else None)
+    # The synthetic layer stores 8 question-window queries: SnapKV observes those.
+    return [make_policy(s, d, b, design_params={"mixture": 0.1} if d == "poisson" else None,
+                        score_params={"window_source": "question"} if s == "snapkv" else None)
             for s in SCORES for d in DESIGNS for b in BUDGETS]
 
 
