@@ -219,3 +219,19 @@ def test_float32_mode_agrees_within_documented_tolerance(engine_run):
     assert (f32.out[res.tables.it_cfg == 0][..., K.F_ERR2] == 0).all(), "full stays exact"
     with pytest.raises(ValueError, match="precision"):
         ReplayOptions(precision="float16")
+
+
+def test_serial_and_parallel_set_up_kernels_agree_bit_for_bit(monkeypatch):
+    """Small layers run the logits / truth / oracle-statistics kernels serially."""
+    from tracesim.kernels import replay_events
+
+    trace = synthetic_trace(6)
+    policies = _policies()[:5]
+    seeds = np.array([2, 7])
+    monkeypatch.setattr(replay_events, "SERIAL_BELOW", 1 << 62)
+    serial = replay_layer(trace, policies, seeds, n_layers=2)
+    monkeypatch.setattr(replay_events, "SERIAL_BELOW", 0)
+    parallel = replay_layer(trace, policies, seeds, n_layers=2)
+    assert serial.out.tobytes() == parallel.out.tobytes()
+    assert serial.lout.tobytes() == parallel.lout.tobytes()
+    assert serial.truth_norm.tobytes() == parallel.truth_norm.tobytes()
