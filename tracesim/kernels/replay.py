@@ -346,7 +346,7 @@ def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev
         s = it_seed[it]
         slot = it_slot[it]
         ks = it_kslot[it]
-        err = np.zeros((NQ, H * d))
+        err = np.zeros((NQ, H * d), wo_t.dtype)
         lcert = np.zeros(NQ)
         keptflag = np.empty(P, dtype=np.bool_)
         kept_idx = np.empty(P, dtype=np.int64)
@@ -366,7 +366,8 @@ def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev
             for q in range(NQ):
                 acc = 0.0
                 for k in range(Y.shape[1]):
-                    acc += Y[q, k] * Y[q, k]
+                    y = np.float64(Y[q, k])
+                    acc += y * y
                 lout[it, q, L_ERR2] = acc
                 lout[it, q, L_CERT2] = lcert[q] if certify else np.nan
         else:

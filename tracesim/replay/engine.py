@@ -64,8 +64,9 @@ class ReplayOptions:
         the sequence stores no decode query.
     precision : {"float64", "float32"}, default "float64"
         Storage of the logits, kept values and Hájek weight matrices, and so of the value
-        GEMMs (DGEMM or SGEMM). Row sums, normalisers, certificates' scalar terms, the truth
-        normaliser, the Gram products and the layer error stay float64. ``float64`` is the
+        GEMMs (DGEMM or SGEMM), including the layer error's ``W_O (o_hat - o)``. Row sums,
+        normalisers, certificates' scalar terms, the Gram products and every sum of squares
+        stay float64. ``float64`` is the
         reference mode (agreement with the plain-numpy replay to 1e-10); ``float32`` agrees
         to the tolerance documented in ``docs/replay.md`` and halves the logit memory.
     """
@@ -345,6 +346,7 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
         K = np.ascontiguousarray(trace.keys, dtype=dt)
         if dt != np.float64:
             V = V.astype(dt)
+            wo_t = wo_t.astype(dt)  # the layer error's GEMM too (its sum of squares is float64)
         kmask = tables.kmask if tables.kmask.shape[0] else np.zeros((1, n_kv, P), np.uint8)
         n_it = tables.it_cfg.size
         out = np.empty((n_it, H, NQ, N_FIELDS))
