@@ -73,7 +73,7 @@ def measure(n_layers: int = 48, P: int = 4096, seeds: int = 4) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         store_bytes = write_store(Path(tmp) / "store", n_layers, P)
         store = open_store(Path(tmp) / "store")
-        # The store holds a short question window: SnapKV observes what is stored.
+        # The store records 16 question-window queries (SnapKV's default window reads 32).
         sp = {"window_source": "question"}
         pols = [make_policy("snapkv", "topk", 0.25, score_params=sp),
                 make_policy("snapkv", "poisson", 0.25, score_params=sp)]
