@@ -12,7 +12,11 @@ Side by side in one run, per context length, on one SmolLM2-shaped layer (9 quer
   engine shares logits across policies and seeds, so it does less than this count;
 - SGEMM: numpy float32 ``4096^2`` matmul, best of 3, measured in the same run.
 
-Results of numba and torch are checked against each other (rtol 1e-8).
+Results of numba and torch are checked against each other (rtol 1e-8). Protocol: the three
+runs alternate (off, on, torch, off, on, torch, ...) for ``--rounds`` rounds (default 3); the
+table shows medians and the 1-minute load average is printed beside every timing. On a shared
+machine the wall-clock figures are provisional; the ``cpu-norm`` column divides by process CPU
+time instead.
 
 Usage: ``python benchmarks/bench_replay.py [--positions 1024,2048] [--seeds 32]`` (4096 works
 too but the torch baseline alone then takes ~2.5 min on 2 cores)
@@ -21,6 +25,7 @@ too but the torch baseline alone then takes ~2.5 min on 2 cores)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,40 +79,63 @@ def useful_flops(res, pols) -> float:
     return float((4 * d * kept_vis + 2 * d * res.out[..., K.F_TAIL] * cert).sum())
 
 
-def run(P: int, seeds: int, with_torch: bool, n_queries: int = 32) -> dict:
+def _median(xs: list[float]) -> float:
+    return float(np.median(xs)) if xs else float("nan")
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def run(P: int, seeds: int, with_torch: bool, rounds: int, n_queries: int = 32) -> dict:
+    """Alternate numba (output space off), numba (on, the default) and torch, ``rounds`` times;
+    medians, with the 1-minute load average printed beside every timing."""
     trace = synthetic_trace(0, n_heads=9, n_kv=3, d=64, P=P, prompt_length=P - n_queries,
                             hidden=576)
     pols = policies()
     seed_arr = np.arange(seeds)
     warm = replay_layer(trace, pols[:4], seed_arr[:2], n_layers=30)
     del warm
-    t, c = time.perf_counter(), time.process_time()
-    res = replay_layer(trace, pols, seed_arr, n_layers=30,
-                       options=ReplayOptions(output_space=False))
-    t_numba, cpu_numba = time.perf_counter() - t, time.process_time() - c
-    t = time.perf_counter()
-    replay_layer(trace, pols, seed_arr, n_layers=30)
-    t_os = time.perf_counter() - t
-    t_torch = np.nan
-    if with_torch:
-        u = seed_uniforms(seed_arr, trace.layer, trace.n_kv_heads, P)
+    times: dict[str, list[float]] = {"off": [], "off_cpu": [], "os": [], "torch": []}
+    res = None
+    for r in range(rounds):
+        t, c = time.perf_counter(), time.process_time()
+        res = replay_layer(trace, pols, seed_arr, n_layers=30,
+                           options=ReplayOptions(output_space=False))
+        times["off"].append(time.perf_counter() - t)
+        times["off_cpu"].append(time.process_time() - c)
+        print(f"  P={P} round {r}: numba (os off) {times['off'][-1]:.2f} s [load {_load():.1f}]",
+              flush=True)
         t = time.perf_counter()
-        ref = torch_replay(trace, pols, res.tables, u)
-        t_torch = time.perf_counter() - t
-        for name, f in (("err2", K.F_ERR2), ("cert2", K.F_CERT2), ("wald", K.F_WALD),
-                        ("tail", K.F_TAIL), ("out_mass", K.F_OUT_MASS),
-                        ("ev_max", K.F_EV_MAX)):
-            np.testing.assert_allclose(res.out[..., f], ref[name], rtol=1e-8, atol=1e-12,
-                                       err_msg=name)
+        replay_layer(trace, pols, seed_arr, n_layers=30)
+        times["os"].append(time.perf_counter() - t)
+        print(f"  P={P} round {r}: numba (os on)  {times['os'][-1]:.2f} s [load {_load():.1f}]",
+              flush=True)
+        if with_torch:
+            u = seed_uniforms(seed_arr, trace.layer, trace.n_kv_heads, P)
+            t = time.perf_counter()
+            ref = torch_replay(trace, pols, res.tables, u)
+            times["torch"].append(time.perf_counter() - t)
+            print(f"  P={P} round {r}: torch          {times['torch'][-1]:.2f} s "
+                  f"[load {_load():.1f}]", flush=True)
+            if r == 0:
+                for name, f in (("err2", K.F_ERR2), ("cert2", K.F_CERT2), ("wald", K.F_WALD),
+                                ("tail", K.F_TAIL), ("out_mass", K.F_OUT_MASS),
+                                ("ev_max", K.F_EV_MAX)):
+                    np.testing.assert_allclose(res.out[..., f], ref[name], rtol=1e-8,
+                                               atol=1e-12, err_msg=name)
     return {"P": P, "policies": len(pols), "seeds": seeds, "iterations": res.tables.it_cfg.size,
-            "numba": t_numba, "numba_cpu": cpu_numba, "numba_os": t_os, "torch": t_torch,
-            "useful_gflop": useful_flops(res, pols) / 1e9}
+            "numba": _median(times["off"]), "numba_cpu": _median(times["off_cpu"]),
+            "numba_os": _median(times["os"]), "torch": _median(times["torch"]),
+            "useful_gflop": useful_flops(res, pols) / 1e9, "load": _load()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--positions", default="1024,2048")
     parser.add_argument("--seeds", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternated rounds (numba off, numba on, torch); medians")
     parser.add_argument("--torch-positions", default="1024",
                         help="contexts at which the (slow) torch baseline also runs")
     args = parser.parse_args()
@@ -116,18 +144,21 @@ def main() -> None:
 
     threads = numba.get_num_threads()
     torch.set_num_threads(threads)
+    print(f"load average at start: {os.getloadavg()}", flush=True)
     rates = [sgemm_rate(threads=threads)]
     with_torch = {int(p) for p in args.torch_positions.split(",") if p}
-    rows = [run(int(p), args.seeds, int(p) in with_torch) for p in args.positions.split(",")]
+    rows = [run(int(p), args.seeds, int(p) in with_torch, args.rounds)
+            for p in args.positions.split(",")]
     rates.append(sgemm_rate(threads=threads))
     sgemm = max(r[0] for r in rates)
     sgemm_cpu = max(r[1] for r in rates)
     print(f"threads: numba {threads}, torch {torch.get_num_threads()}; SGEMM (numpy float32 "
           f"4096^2, best of 3, before/after): {rates[0][0]:.0f} / {rates[1][0]:.0f} GFLOP/s "
-          f"wall, {sgemm_cpu:.0f} GFLOP/s CPU-normalised")
+          f"wall, {sgemm_cpu:.0f} GFLOP/s CPU-normalised; medians of {args.rounds} "
+          f"alternated rounds")
     head = (f"{'P':>5} {'pol':>4} {'seeds':>5} {'iters':>5} {'numba s':>8} {'+os s':>7} "
-            f"{'torch s':>8} {'speedup':>8} {'useful GF':>9} {'GFLOP/s':>8} {'% SGEMM':>8} "
-            f"{'cpu-norm':>8} {'%':>6}")
+            f"{'os/off':>6} {'torch s':>8} {'speedup':>8} {'useful GF':>9} {'GFLOP/s':>8} "
+            f"{'% SGEMM':>8} {'cpu-norm':>8} {'%':>6} {'load':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -135,12 +166,14 @@ def main() -> None:
         # Rate if every thread had had a core to itself (other processes share the machine).
         cpu_rate = r["useful_gflop"] / (r["numba_cpu"] / threads)
         print(f"{r['P']:>5} {r['policies']:>4} {r['seeds']:>5} {r['iterations']:>5} "
-              f"{r['numba']:>8.2f} {r['numba_os']:>7.2f} {r['torch']:>8.2f} "
-              f"{r['torch'] / r['numba']:>7.1f}x {r['useful_gflop']:>9.1f} {rate:>8.1f} "
-              f"{100 * rate / sgemm:>7.1f}% {cpu_rate:>8.1f} {100 * cpu_rate / sgemm_cpu:>5.1f}%")
+              f"{r['numba']:>8.2f} {r['numba_os']:>7.2f} {r['numba_os'] / r['numba']:>5.2f}x "
+              f"{r['torch']:>8.2f} {r['torch'] / r['numba']:>7.1f}x {r['useful_gflop']:>9.1f} "
+              f"{rate:>8.1f} {100 * rate / sgemm:>7.1f}% {cpu_rate:>8.1f} "
+              f"{100 * cpu_rate / sgemm_cpu:>5.1f}% {r['load']:>5.1f}")
     print("cpu-norm: useful FLOPs / (process CPU seconds / threads), i.e. the rate had the "
           "threads not shared the cores with other processes; its % is of the CPU-normalised "
           "SGEMM rate")
+    print(f"load average at end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ A. a whole sweep of 217 configurations (6 scores x {topk, poisson, bernoulli} x 
    {0.25, 0.5, 48 tokens} x {uniform, adakv} x {oneshot, decode:4}, + full) x 16 seeds over every
    layer and sequence (90 tasks), end to end (worker start-up, JIT warm-up, compaction
    included) on ``local`` with 1 worker, ``local`` with 2 workers and ``dask`` with 2 workers,
-   one numba thread each; results are checked identical;
+   at the default of one numba thread per worker (one worker = one core), alternated for
+   ``--rounds`` rounds (medians, load printed beside every run); results checked identical;
 B. per-task overhead on many tiny tasks (1 configuration, 1 seed, 90 tasks): the steady-state
    cost per task (``workers x`` the interval between task completions, start-up excluded)
    minus the in-process time of the same tasks, for ``local`` and ``dask`` with 2 workers
@@ -97,28 +98,36 @@ def sorted_results(out: Path):
     return df.sort_values(keys).reset_index(drop=True)
 
 
-def whole_sweeps(store: Path, seeds: int, tmp: Path) -> dict:
-    runs = {}
-    for label, backend, workers in (("local x1", "local", 1), ("local x2", "local", 2),
-                                    ("dask x2", "dask", 2)):
-        summary = run_sweep(big_spec(store, seeds), backend=backend, workers=workers,
-                            threads_per_worker=1, out=tmp / label.replace(" ", ""),
-                            progress=False)
-        if not summary.complete:
-            raise RuntimeError(f"{label}: sweep incomplete: {summary.failures[:2]}")
-        busy = summary.task_time_s
-        runs[label] = {"wall_s": summary.wall_time_s, "tasks": summary.tasks["done"],
-                       "configs": summary.n_configs, "rows": summary.n_rows,
-                       "task_wall_s": busy["wall"], "task_cpu_s": busy["cpu"],
-                       "load": os.getloadavg()[0]}
-        print(f"  {label:9s} {summary.wall_time_s:7.1f} s  ({summary.tasks['done']} tasks, "
-              f"{summary.n_configs} configs x {seeds} seeds, {summary.n_rows} rows; tasks: "
-              f"{busy['wall']:.1f} s wall, {busy['cpu']:.1f} s CPU; load "
-              f"{os.getloadavg()[0]:.1f})", flush=True)
-    ref = sorted_results(tmp / "localx1")
-    for label in ("localx2", "daskx2"):
-        if not ref.equals(sorted_results(tmp / label)):
-            raise AssertionError(f"{label} results differ from local x1")
+def whole_sweeps(store: Path, seeds: int, tmp: Path, rounds: int = 3) -> dict:
+    """Alternate local x1, local x2, dask x2 for ``rounds`` rounds (default thread count:
+    one per worker); medians of the wall times, load printed beside every run."""
+    runs: dict[str, dict] = {}
+    for r in range(rounds):
+        for label, backend, workers in (("local x1", "local", 1), ("local x2", "local", 2),
+                                        ("dask x2", "dask", 2)):
+            out = tmp / f"{label.replace(' ', '')}-{r}"
+            summary = run_sweep(big_spec(store, seeds), backend=backend, workers=workers,
+                                out=out, progress=False)
+            if not summary.complete:
+                raise RuntimeError(f"{label}: sweep incomplete: {summary.failures[:2]}")
+            busy = summary.task_time_s
+            run = runs.setdefault(label, {"wall_s_all": [], "task_wall_s": [],
+                                          "task_cpu_s": [], "load": []})
+            run["wall_s_all"].append(summary.wall_time_s)
+            run["task_wall_s"].append(busy["wall"])
+            run["task_cpu_s"].append(busy["cpu"])
+            run["load"].append(os.getloadavg()[0])
+            run.update(tasks=summary.tasks["done"], configs=summary.n_configs,
+                       rows=summary.n_rows, threads=summary.threads_per_worker)
+            print(f"  round {r} {label:9s} {summary.wall_time_s:7.1f} s  ({summary.tasks['done']}"
+                  f" tasks x {summary.threads_per_worker} thread(s), {summary.n_configs} configs"
+                  f" x {seeds} seeds, {summary.n_rows} rows; tasks: {busy['wall']:.1f} s wall, "
+                  f"{busy['cpu']:.1f} s CPU) [load {os.getloadavg()[0]:.1f}]", flush=True)
+            if r == 0 and label != "local x1":
+                if not sorted_results(tmp / "localx1-0").equals(sorted_results(out)):
+                    raise AssertionError(f"{label} results differ from local x1")
+    for run in runs.values():
+        run["wall_s"] = float(np.median(run["wall_s_all"]))
     return runs
 
 
@@ -162,6 +171,7 @@ def load_spec_dict(doc: dict, out: Path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (medians)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -172,11 +182,11 @@ def main() -> None:
         print(f"store: {store} ; cores: {os.cpu_count()} ; load average before: "
               f"{load0[0]:.2f}", flush=True)
         print("A. whole sweep, end to end:", flush=True)
-        runs = whole_sweeps(store, args.seeds, tmp)
+        runs = whole_sweeps(store, args.seeds, tmp, args.rounds)
         speedup = runs["local x1"]["wall_s"] / runs["local x2"]["wall_s"]
         dask_speedup = runs["local x1"]["wall_s"] / runs["dask x2"]["wall_s"]
-        print(f"  speed-up 2 workers vs 1: local {speedup:.2f}x, dask {dask_speedup:.2f}x "
-              "(results identical)", flush=True)
+        print(f"  speed-up 2 workers vs 1 (medians of {args.rounds}): local {speedup:.2f}x, "
+              f"dask {dask_speedup:.2f}x (results identical)", flush=True)
         print("B. per-task overhead on tiny tasks (2 workers):", flush=True)
         tiny = tiny_tasks(store, tmp)
         load1 = os.getloadavg()

@@ -101,22 +101,24 @@ def test_gqa_certificate_matches_output_space_certificate(engine_run):
     assert (cert.variance_trace > 0).all()
 
 
-def test_bit_identical_across_threads_and_orders():
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_bit_identical_across_threads_and_orders(precision):
     trace = synthetic_trace(5)
     policies = _policies()[:8]
     seeds = np.array([4, 9, 1])
+    opts = ReplayOptions(precision=precision)
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
-        one = replay_layer(trace, policies, seeds, n_layers=2)
+        one = replay_layer(trace, policies, seeds, n_layers=2, options=opts)
         numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-        two = replay_layer(trace, policies, seeds, n_layers=2)
+        two = replay_layer(trace, policies, seeds, n_layers=2, options=opts)
     finally:
         numba.set_num_threads(before)
     assert one.out.tobytes() == two.out.tobytes()
     assert one.lout.tobytes() == two.lout.tobytes()
     # Reversed policy list and seed order: the same (policy, seed) results, bit for bit.
-    rev = replay_layer(trace, policies[::-1], seeds[::-1], n_layers=2)
+    rev = replay_layer(trace, policies[::-1], seeds[::-1], n_layers=2, options=opts)
     for c in range(len(policies)):
         rc = len(policies) - 1 - c
         for s in range(seeds.size):
@@ -162,3 +164,74 @@ def test_output_check_flags_inconsistent_stored_outputs():
     trace.outputs[0, -1] += 1.0
     bad = replay_layer(trace, [make_policy("full")], np.arange(1), n_layers=1)
     assert bad.output_check_relative > OUTPUT_CHECK_TOLERANCE
+
+
+def test_query_chunks_give_the_same_results(monkeypatch):
+    """Long contexts run in passes over chunks of queries; every result is unchanged."""
+    from tracesim.replay import engine
+
+    trace = synthetic_trace(4)
+    policies = _policies()[:6] + [make_policy("tova", "poisson", 0.3, schedule="decode:4")]
+    seeds = np.array([0, 3])
+    whole = replay_layer(trace, policies, seeds, n_layers=2)
+    per_query = trace.n_heads * trace.n_positions * 8
+    monkeypatch.setattr(engine, "LOGIT_BUDGET_BYTES", 3 * per_query)
+    assert engine.query_chunk(trace.n_heads, whole.query_positions.size,
+                              trace.n_positions) == 3
+    chunked = replay_layer(trace, policies, seeds, n_layers=2)
+    for a, b in ((whole.out, chunked.out), (whole.lout, chunked.lout)):
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        ok = ~np.isnan(a)
+        np.testing.assert_allclose(a[ok], b[ok], rtol=1e-12, atol=1e-14)
+    np.testing.assert_array_equal(whole.truth_norm, chunked.truth_norm)
+
+
+#: Documented float32 tolerances (docs/replay.md): squared errors and certificates to
+#: 1e-4 |o|^2, other continuous fields to rtol 1e-4 (+ 1e-6 absolute), counts exactly.
+F32_SQ = (K.F_ERR2, K.F_CERT2, K.F_CERT2_SMALL, K.F_TRV2)
+F32_EXACT = (K.F_TAIL, K.F_KEPT, K.F_EXPECTED, K.F_POP, K.F_EVENT)
+
+
+def test_float32_mode_agrees_within_documented_tolerance(engine_run):
+    trace, policies, seeds, res = engine_run  # float64: matches the reference to 1e-10
+    f32 = replay_layer(trace, policies, seeds, n_layers=4,
+                       options=ReplayOptions(satterthwaite=True, precision="float32"))
+    o2 = (res.truth_norm ** 2)[None, :, :]
+    for f in range(K.N_FIELDS):
+        a, b = res.out[..., f], f32.out[..., f]
+        assert np.array_equal(np.isnan(a), np.isnan(b)), f"NaN pattern of field {f}"
+        ok = np.isfinite(a)
+        assert np.array_equal(np.isinf(a), np.isinf(b)), f
+        if f in F32_EXACT:
+            np.testing.assert_array_equal(a[ok], b[ok], err_msg=f"field {f}")
+        elif f in F32_SQ:
+            assert (np.abs(a - b)[ok] <= 1e-4 * np.broadcast_to(o2, a.shape)[ok]).all(), f
+        elif f in (K.F_WALD, K.F_WALD_T):
+            assert np.abs(a - b)[ok].mean() <= 0.01, f  # boundary coordinates may flip
+        else:
+            np.testing.assert_allclose(b[ok], a[ok], rtol=1e-4, atol=1e-6,
+                                       err_msg=f"field {f}")
+    for f in range(K.N_LAYER_FIELDS):
+        a, b = res.lout[..., f], f32.lout[..., f]
+        ok = ~np.isnan(a)
+        assert np.array_equal(ok, ~np.isnan(b))
+        assert np.abs(a - b)[ok].max() <= 1e-4 * np.abs(a[ok]).max(), f
+    assert (f32.out[res.tables.it_cfg == 0][..., K.F_ERR2] == 0).all(), "full stays exact"
+    with pytest.raises(ValueError, match="precision"):
+        ReplayOptions(precision="float16")
+
+
+def test_serial_and_parallel_set_up_kernels_agree_bit_for_bit(monkeypatch):
+    """Small layers run the logits / truth / oracle-statistics kernels serially."""
+    from tracesim.kernels import replay_events
+
+    trace = synthetic_trace(6)
+    policies = _policies()[:5]
+    seeds = np.array([2, 7])
+    monkeypatch.setattr(replay_events, "SERIAL_BELOW", 1 << 62)
+    serial = replay_layer(trace, policies, seeds, n_layers=2)
+    monkeypatch.setattr(replay_events, "SERIAL_BELOW", 0)
+    parallel = replay_layer(trace, policies, seeds, n_layers=2)
+    assert serial.out.tobytes() == parallel.out.tobytes()
+    assert serial.lout.tobytes() == parallel.lout.tobytes()
+    assert serial.truth_norm.tobytes() == parallel.truth_norm.tobytes()

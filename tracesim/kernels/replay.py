@@ -50,7 +50,7 @@ _NS = 10
 
 
 @nb.njit(cache=True)
-def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, kept_idx,
+def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, kept_idx,
           mt, m, kb, ex, event, corrected, certify, fixed_var, z_wald, t_table, gam, gamt,
           vqg, pidx, use_os, want_trv2, stats, top, out_it, err, lcert):
     nqe = qrows.size
@@ -70,9 +70,9 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptfla
     tail = certify and mt > 0
     npx = G * (G - 1) // 2 if use_os else 0
     nf = R if (tail and fixed_var) else 0
-    Wd = np.empty((R if tail else 0, mt))
+    Wd = np.empty((R if tail else 0, mt), Vg.dtype)
     # Cross-pair rows (output space) then fixed-size centring rows share one GEMM with V.
-    Wxf = np.empty(((nqe * npx if tail else 0) + nf, mt))
+    Wxf = np.empty(((nqe * npx if tail else 0) + nf, mt), Vg.dtype)
     sx = np.zeros((nqe * npx, 2))
     for a in range(nqe):
         q = qrows[a]
@@ -146,17 +146,17 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptfla
                     x += 1
     if tail:
         # One GEMM gives both sum (1-pi) w^2 v and sum (1-pi) w^2 v^2 (Wald diagonal).
-        VV = np.empty((mt, 2 * d))
+        VV = np.empty((mt, 2 * d), Vg.dtype)
         for j in range(mt):
-            p = kept_idx[j]
             for k in range(d):
-                VV[j, k] = Vk[j, k]
-                VV[j, d + k] = V2g[p, k]
+                vk = Vk[j, k]
+                VV[j, k] = vk
+                VV[j, d + k] = vk * vk
         TD = np.dot(Wd, VV)
-        XF = np.dot(Wxf, Vk[:mt]) if Wxf.shape[0] > 0 else np.zeros((0, d))
+        XF = np.dot(Wxf, Vk[:mt]) if Wxf.shape[0] > 0 else np.zeros((0, d), Vg.dtype)
     else:
-        TD = np.zeros((0, 2 * d))
-        XF = np.zeros((0, d))
+        TD = np.zeros((0, 2 * d), Vg.dtype)
+        XF = np.zeros((0, d), Vg.dtype)
     est3 = np.empty((G, nqe, d))
     diag = np.empty(d)
     mu = np.zeros(d)
@@ -318,12 +318,12 @@ def _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gam, gamt, pidx, lce
 
 
 @nb.njit(cache=True, parallel=True)
-def replay_kernel(E, zfull, V, V2, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev, kmask,
+def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev, kmask,
                   u, it_cfg, it_seed, it_slot, it_kslot, flags, z_wald, t_table, gam, gamt, vq,
                   pidx, wo_t, want_trv2, stats, top, out, lout):
     """Replay every iteration (policy, seed) over one layer; see the module docstring.
 
-    Shapes: ``E`` (H, NQ, P); ``zfull`` (H, NQ); ``V``, ``V2`` (n_kv, P, d); ``vn2`` (n_kv, P);
+    Shapes: ``E`` (H, NQ, P); ``zfull`` (H, NQ); ``V`` (n_kv, P, d); ``vn2`` (n_kv, P) = ``|v|^2``;
     ``truth`` (H, NQ, d); ``qpos`` (NQ,); ``pi`` (n_events, n_kv, P); ``kmask`` (>=1, n_kv, P);
     ``u`` (S, n_kv, P); ``flags`` (n_cfg, 3) = (corrected, certify, fixed variance);
     ``t_table`` (P + 2,) Student quantiles by tail size; ``gam`` (n_kv, n_pairs, d, d) (and
@@ -346,7 +346,7 @@ def replay_kernel(E, zfull, V, V2, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slo
         s = it_seed[it]
         slot = it_slot[it]
         ks = it_kslot[it]
-        err = np.zeros((NQ, H * d))
+        err = np.zeros((NQ, H * d), wo_t.dtype)
         lcert = np.zeros(NQ)
         keptflag = np.empty(P, dtype=np.bool_)
         kept_idx = np.empty(P, dtype=np.int64)
@@ -357,7 +357,7 @@ def replay_kernel(E, zfull, V, V2, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slo
                     continue
                 mt, m, kb, ex = gather_kept(pi[e, g], u[s, g], kmask[max(ks, 0), g], ks >= 0,
                                             tau[e], keptflag, kept_idx)
-                _unit(E, zfull, V[g], V2[g], vn2[g], truth, qpos, qrows, ev_qptr[e], g, G,
+                _unit(E, zfull, V[g], vn2[g], truth, qpos, qrows, ev_qptr[e], g, G,
                       pi[e, g], keptflag, kept_idx, mt, m, kb, ex, e - slot_ev[slot],
                       corrected, certify, fixed_var, z_wald, t_table, gam[g], gamt[g], vq[g],
                       pidx, use_os, want_trv2, stats, top, out[it], err, lcert)
@@ -366,7 +366,8 @@ def replay_kernel(E, zfull, V, V2, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slo
             for q in range(NQ):
                 acc = 0.0
                 for k in range(Y.shape[1]):
-                    acc += Y[q, k] * Y[q, k]
+                    y = np.float64(Y[q, k])
+                    acc += y * y
                 lout[it, q, L_ERR2] = acc
                 lout[it, q, L_CERT2] = lcert[q] if certify else np.nan
         else:

@@ -114,25 +114,33 @@ class LayerTrace:
 
         Causal: zero beyond the query's position. Float64, cached per (head, index).
         """
-        key = (head, int(index))
-        row = self._attention_cache.get(key)
-        if row is None:
+        return self._attention_rows(head, [int(index)])[0]
+
+    def _attention_rows(self, head: int, indices) -> list[np.ndarray]:
+        """:meth:`attention` of several queries of one head; the missing rows in one GEMM."""
+        idx = [int(i) for i in indices]
+        missing = sorted({i for i in idx if (head, i) not in self._attention_cache})
+        if missing:
             g = head // self.group_size
-            pos = int(self.query_positions[index])
-            s = self.keys[g, :pos + 1] @ self.queries[head, index] * self.scale
-            w = np.exp(s - s.max())
-            row = np.zeros(self.n_positions)
-            row[:pos + 1] = w / w.sum()
-            self._attention_cache[key] = row
-        return row
+            pos = self.query_positions[missing].astype(np.int64)
+            end = int(pos.max()) + 1
+            s = (self.keys[g, :end] @ self.queries[head, missing].T) * self.scale  # (end, n)
+            s[np.arange(end)[:, None] > pos[None, :]] = -np.inf
+            w = np.exp(s - s.max(axis=0))
+            w /= w.sum(axis=0)
+            for j, i in enumerate(missing):
+                row = np.zeros(self.n_positions)
+                row[:end] = w[:, j]
+                self._attention_cache[(head, i)] = row
+        return [self._attention_cache[(head, i)] for i in idx]
 
     def group_attention(self, kv_head: int, indices: np.ndarray) -> np.ndarray:
         """Mean attention over the group's heads and the given queries, shape (P,)."""
         acc = np.zeros(self.n_positions)
         heads = self.group(kv_head)
         for h in heads:
-            for i in indices:
-                acc += self.attention(h, int(i))
+            for row in self._attention_rows(h, indices):
+                acc += row
         return acc / max(1, len(heads) * len(indices))
 
     def perturbation_uniforms(self, seed: int, kv_head: int, end: int) -> np.ndarray:

@@ -23,13 +23,15 @@ from tracesim.replay.engine import (
     OUTPUT_CHECK_TOLERANCE,
     LayerResult,
     ReplayOptions,
+    ReplaySetup,
     evaluated_queries,
     replay_layer,
 )
 from tracesim.replay.results import METRICS, RESULT_COLUMNS, layer_batch, result_schema
 
 __all__ = [
-    "METRICS", "RESULT_COLUMNS", "LayerResult", "ReplayOptions", "evaluated_queries",
+    "METRICS", "RESULT_COLUMNS", "LayerResult", "ReplayOptions", "ReplaySetup",
+    "evaluated_queries",
     "iter_replay", "layer_batch", "load_layer", "replay", "replay_layer", "result_schema",
     "verify_sequence",
 ]
@@ -150,6 +152,7 @@ def iter_replay(
 
         bar = tqdm(total=len(seq_ids) * len(layer_list), unit="layer", desc="replay")
     bad: list[tuple[str, int, float]] = []
+    setup = ReplaySetup(options)  # quantiles and o_proj Gram blocks: once per replay
     try:
         for sid in seq_ids:
             seq = store[sid]
@@ -165,7 +168,7 @@ def iter_replay(
                 continue
             for layer in layer_list:
                 trace = load_layer(store, seq, layer)
-                result = replay_layer(trace, policies, seed_arr, n_layers, options)
+                result = replay_layer(trace, policies, seed_arr, n_layers, setup=setup)
                 if result.output_check_relative > OUTPUT_CHECK_TOLERANCE:
                     bad.append((sid, layer, result.output_check_relative))
                 yield layer_batch(result, per_seed=per_seed)

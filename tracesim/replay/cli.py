@@ -84,6 +84,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sequences", type=_csv(str), default=None,
                    help="sequence ids (default: all)")
     p.add_argument("--per-seed", action="store_true", help="one row per seed (small runs)")
+    p.add_argument("--precision", choices=("float64", "float32"), default="float64",
+                   help="value GEMMs in float64 (reference, default) or float32")
     p.add_argument("--satterthwaite", action="store_true",
                    help="also compute tr(V^2) for the vector-level event (slow)")
     p.add_argument("--no-output-space", action="store_true",
@@ -217,7 +219,7 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
     from tracesim.replay import ReplayOptions, iter_replay, result_schema
 
     options = ReplayOptions(output_space=not args.no_output_space,
-                            satterthwaite=args.satterthwaite)
+                            satterthwaite=args.satterthwaite, precision=args.precision)
     path = out / "replay.parquet"
     t0 = time.perf_counter()
     skipped: list[str] = []

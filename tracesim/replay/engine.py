@@ -1,19 +1,21 @@
 """Replay one layer: shared logits and truth, inclusion tables, then the compiled kernel.
 
-Memory is bounded by one layer of one sequence (its K/V in float64, the evaluated queries'
-``exp``-logits ``(n_heads, n_query, P)`` and the per-iteration results), however many layers
-and sequences the store holds. A layer, not a single head, is the unit because the GQA /
-output-space certificate and Ada-KV's allocation both couple the heads of a layer.
+Memory is bounded by one layer of one sequence (its K/V in float64, the permanent uniforms
+``(seeds, n_kv, P)``, a block of ``exp``-logits ``(n_heads, query chunk, P)`` of at most
+:data:`LOGIT_BUDGET_BYTES` and the per-iteration results), however many layers and sequences
+the store holds and however long the context. A layer, not a single head, is the unit because
+the GQA / output-space certificate and Ada-KV's allocation both couple the heads of a layer.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  (loaded before the thread limit is applied)
 from scipy import special  # t and normal quantiles (scipy.stats is slow to import)
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from tracesim.kernels.bounds import N_BOUND_FIELDS, bound_kernel
 from tracesim.kernels.replay import N_FIELDS, N_LAYER_FIELDS, replay_kernel
@@ -27,12 +29,21 @@ from tracesim.kernels.replay_events import (
 from tracesim.policies import LayerTrace, Policy
 from tracesim.replay.inclusion import InclusionTables, build_inclusion, seed_uniforms
 
-__all__ = ["OUTPUT_CHECK_TOLERANCE", "LayerResult", "ReplayOptions", "evaluated_queries",
-           "replay_layer"]
+__all__ = ["LOGIT_BUDGET_BYTES", "OUTPUT_CHECK_TOLERANCE", "PRECISIONS", "GramBlocks",
+           "LayerResult", "ReplayOptions", "ReplaySetup", "evaluated_queries", "gram_blocks",
+           "query_chunk", "replay_layer", "t_table", "token_quadratic_forms"]
 
 #: Largest accepted ``max |o_stored - o_recomputed| / |o|`` before a warning (fp16 stores
 #: measure ~2e-4 median and ~5e-3 worst on the SmolLM2 sample traces).
 OUTPUT_CHECK_TOLERANCE = 0.02
+#: Largest float64 logit block ``(n_heads, queries, P)`` held at once; longer contexts are
+#: replayed in passes over chunks of the evaluated queries (64 MiB: all queries up to
+#: P ~ 29k at 9 heads x 32 queries).
+LOGIT_BUDGET_BYTES = 64 << 20
+#: Accepted ``ReplayOptions.precision`` values (float64 is the reference).
+PRECISIONS = ("float64", "float32")
+#: Positions per block when forming the per-token quadratic forms ``v^T Gamma v``.
+POSITION_CHUNK = 16384
 
 
 @dataclass(frozen=True)
@@ -52,16 +63,27 @@ class ReplayOptions:
     roles : tuple of str, optional
         Query roles to evaluate. Default: ``decode`` queries, or ``question_window`` ones when
         the sequence stores no decode query.
+    precision : {"float64", "float32"}, default "float64"
+        Storage of the logits, kept values and Hájek weight matrices, and so of the value
+        GEMMs (DGEMM or SGEMM), including the layer error's ``W_O (o_hat - o)``. Row sums,
+        normalisers, certificates' scalar terms, the Gram products and every sum of squares
+        stay float64. ``float64`` is the
+        reference mode (agreement with the plain-numpy replay to 1e-10); ``float32`` agrees
+        to the tolerance documented in ``docs/replay.md`` and halves the logit memory.
     """
 
     alpha: float = 0.05
     output_space: bool = True
     satterthwaite: bool = False
     roles: tuple[str, ...] | None = None
+    precision: str = "float64"
 
     def __post_init__(self) -> None:
         if not 0.0 < float(self.alpha) < 1.0:
             raise ValueError(f"ReplayOptions.alpha = {self.alpha}: expected (0, 1)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"ReplayOptions.precision = {self.precision!r}: expected one of "
+                             f"{PRECISIONS}")
 
 
 def evaluated_queries(trace: LayerTrace, roles: tuple[str, ...] | None = None) -> np.ndarray:
@@ -130,33 +152,143 @@ def exp_logits(trace: LayerTrace, qidx: np.ndarray) -> np.ndarray:
     return E
 
 
-def _output_space(trace: LayerTrace, enabled: bool):
-    """Gram blocks, per-token quadratic forms and ``W^T`` for the output-space certificate."""
-    n_kv, P, d = trace.keys.shape
-    G = trace.group_size
-    pidx = np.zeros((G, G), dtype=np.int64)
+def _pairs(G: int) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """Head pairs of a GQA group (diagonal first, then ``a < b``) and their (G, G) index."""
     pairs = [(a, a) for a in range(G)] + [(a, b) for a in range(G) for b in range(a + 1, G)]
+    pidx = np.zeros((G, G), dtype=np.int64)
     for i, (a, b) in enumerate(pairs):
         pidx[a, b] = pidx[b, a] = i
-    if not enabled or trace.o_proj is None:
-        return (np.zeros((n_kv, len(pairs), 1, 1)), np.zeros((n_kv, len(pairs), 1)), pidx,
-                np.zeros((0, 1)))
-    W = np.asarray(trace.o_proj, dtype=np.float64)
-    if W.shape[1] != trace.n_heads * d:
-        raise ValueError(f"o_proj has {W.shape[1]} columns, expected {trace.n_heads * d}")
+    return pairs, pidx
+
+
+@dataclass(frozen=True)
+class GramBlocks:
+    """Output-space constants of one layer (they depend on ``o_proj`` only).
+
+    Attributes
+    ----------
+    gam : ndarray, shape (n_kv, n_pairs, d, d)
+        ``W_a^T W_b`` for every head pair of every GQA group (``W_h``: the ``(hidden, d)``
+        columns of ``o_proj`` that head h writes).
+    gamt : ndarray, shape (n_kv, n_pairs, d, d)
+        Their transposes (contiguous, for the kernel's small GEMMs).
+    wo_t : ndarray, shape (n_heads * d, hidden)
+        ``o_proj^T``.
+    """
+
+    gam: np.ndarray
+    gamt: np.ndarray
+    wo_t: np.ndarray
+
+
+def gram_blocks(o_proj: np.ndarray, n_kv: int, G: int, d: int) -> GramBlocks:
+    """One GEMM ``W_g^T W_g`` per GQA group, cut into the (d, d) blocks of its head pairs."""
+    W = np.asarray(o_proj, dtype=np.float64)
+    if W.shape[1] != n_kv * G * d:
+        raise ValueError(f"o_proj has {W.shape[1]} columns, expected {n_kv * G * d}")
+    pairs, _ = _pairs(G)
     gam = np.empty((n_kv, len(pairs), d, d))
-    vq = np.empty((n_kv, len(pairs), P))
     for g in range(n_kv):
+        Wg = W[:, g * G * d:(g + 1) * G * d]
+        full = Wg.T @ Wg
         for i, (a, b) in enumerate(pairs):
-            Wa = W[:, (g * G + a) * d:(g * G + a + 1) * d]
-            Wb = W[:, (g * G + b) * d:(g * G + b + 1) * d]
-            gam[g, i] = Wa.T @ Wb
-            vq[g, i] = np.einsum("pk,kl,pl->p", trace.values[g], gam[g, i], trace.values[g])
-    return gam, vq, pidx, np.ascontiguousarray(W.T)
+            gam[g, i] = full[a * d:(a + 1) * d, b * d:(b + 1) * d]
+    return GramBlocks(gam=gam, gamt=np.ascontiguousarray(gam.transpose(0, 1, 3, 2)),
+                      wo_t=np.ascontiguousarray(W.T))
+
+
+def token_quadratic_forms(values: np.ndarray, gam: np.ndarray,
+                          chunk: int = POSITION_CHUNK) -> np.ndarray:
+    """``vq[g, i, p] = v_p^T Gamma_{g,i} v_p`` as ``((V @ Gamma) * V).sum(1)``, by chunks of
+    positions (no temporary larger than ``chunk x d``). Shape (n_kv, n_pairs, P)."""
+    n_kv, P, _ = values.shape
+    vq = np.empty((n_kv, gam.shape[1], P))
+    for g in range(n_kv):
+        for p0 in range(0, P, chunk):
+            Vc = values[g, p0:p0 + chunk]
+            for i in range(gam.shape[1]):
+                vq[g, i, p0:p0 + chunk] = ((Vc @ gam[g, i]) * Vc).sum(axis=1)
+    return vq
+
+
+@functools.lru_cache(maxsize=16)
+def _t_quantiles(alpha: float, n: int) -> np.ndarray:
+    m = np.arange(n, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        out = np.where(m > 1, special.stdtrit(np.maximum(m - 1, 1), 1 - alpha / 2), np.inf)
+    out.flags.writeable = False
+    return out
+
+
+def t_table(alpha: float, P: int) -> np.ndarray:
+    """Two-sided Student quantiles ``t_{m-1}(1 - alpha/2)`` for tail sizes ``m = 0..P+1``
+    (inf for ``m <= 1``). Cached: computed once per replay, not per layer."""
+    n = 1 << max(int(P + 2 - 1).bit_length(), 6)
+    return _t_quantiles(float(alpha), n)[:P + 2]
+
+
+_CONTROLLER: list[ThreadpoolController] = []
+
+
+def blas_single_thread():
+    """Context manager limiting BLAS to one thread (the controller is built once per process:
+    discovering the loaded libraries is the expensive part)."""
+    if not _CONTROLLER:
+        _CONTROLLER.append(ThreadpoolController())
+    return _CONTROLLER[0].limit(limits=1, user_api="blas")
+
+
+class ReplaySetup:
+    """What every layer of one replay shares: options, Student quantiles and the per-layer
+    output-space Gram blocks (``o_proj`` is a property of the store, not of a sequence).
+
+    Build one per replay over one store (:func:`tracesim.replay.iter_replay` does) and pass it
+    to :func:`replay_layer`.
+    """
+
+    def __init__(self, options: ReplayOptions | None = None) -> None:
+        self.options = options or ReplayOptions()
+        self.z = float(special.ndtri(1 - self.options.alpha / 2))
+        self._gram: dict[tuple[int, int], GramBlocks | None] = {}
+
+    def gram(self, trace: LayerTrace) -> GramBlocks | None:
+        """Gram blocks of ``trace``'s layer (None when off or without ``o_proj``), cached."""
+        if not self.options.output_space or trace.o_proj is None:
+            return None
+        key = (trace.layer, trace.o_proj.shape[0])
+        if key not in self._gram:
+            self._gram[key] = gram_blocks(trace.o_proj, trace.n_kv_heads, trace.group_size,
+                                          trace.keys.shape[2])
+        return self._gram[key]
+
+
+def query_chunk(n_heads: int, n_query: int, n_positions: int,
+                budget_bytes: int | None = None) -> int:
+    """Evaluated queries per pass so that the ``(n_heads, chunk, P)`` float64 logits stay under
+    ``budget_bytes`` (default :data:`LOGIT_BUDGET_BYTES`; at least one query, all of them when
+    they fit)."""
+    budget_bytes = LOGIT_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
+    per_query = n_heads * n_positions * 8  # float64 bytes (float32 mode: half the budget)
+    return int(min(n_query, max(1, budget_bytes // max(per_query, 1))))
+
+
+def _chunk_events(ev_qptr: np.ndarray, ev_q: np.ndarray, q0: int,
+                  q1: int) -> tuple[np.ndarray, np.ndarray]:
+    """The event -> query lists restricted to queries ``[q0, q1)``, renumbered from 0."""
+    n_ev = ev_qptr.size - 1
+    ptr = np.zeros(n_ev + 1, dtype=np.int64)
+    rows = []
+    for e in range(n_ev):
+        members = ev_q[ev_qptr[e]:ev_qptr[e + 1]]
+        members = members[(members >= q0) & (members < q1)] - q0
+        rows.append(members)
+        ptr[e + 1] = ptr[e] + members.size
+    return ptr, (np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64))
 
 
 def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
-                 n_layers: int, options: ReplayOptions | None = None) -> LayerResult:
+                 n_layers: int, options: ReplayOptions | None = None,
+                 setup: ReplaySetup | None = None) -> LayerResult:
     """Replay every policy and seed on one layer of one sequence.
 
     Parameters
@@ -168,12 +300,22 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
     n_layers : int
         Number of layers of the model (PyramidKV schedule).
     options : ReplayOptions, optional
+        Ignored when ``setup`` is given (its options are used).
+    setup : ReplaySetup, optional
+        Shared set-up of a replay over many layers (built here when omitted).
 
     Returns
     -------
     LayerResult
+
+    Notes
+    -----
+    Long contexts are replayed in passes over chunks of the evaluated queries
+    (:func:`query_chunk`), so the ``(n_heads, queries, P)`` logits never exceed
+    :data:`LOGIT_BUDGET_BYTES`; every per-query result is independent of the chunking.
     """
-    options = options or ReplayOptions()
+    setup = setup or ReplaySetup(options)
+    options = setup.options
     seeds = np.asarray(seeds, dtype=np.int64)
     if seeds.ndim != 1 or seeds.size == 0:
         raise ValueError("seeds must be a non-empty 1-D array of ints")
@@ -182,50 +324,80 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
     qidx = evaluated_queries(trace, options.roles)
     qpos = np.ascontiguousarray(trace.query_positions[qidx], dtype=np.int64)
     H, NQ, P = trace.n_heads, qidx.size, trace.n_positions
-    d = trace.keys.shape[2]
-    u = seed_uniforms(seeds, trace.layer, trace.n_kv_heads, P)
-    tables = build_inclusion(trace, policies, seeds, qpos, u, n_layers)
-    E = exp_logits(trace, qidx)
-    V = np.ascontiguousarray(trace.values, dtype=np.float64)
-    gam, vq, pidx, wo_t = _output_space(trace, options.output_space)
+    n_kv, G, d = trace.n_kv_heads, trace.group_size, trace.keys.shape[2]
     flags = np.array([[p.correction == "hajek", p.certified,
                        p.design is not None and p.design.variance == "fixed"]
                       for p in policies], dtype=np.int64)
-    m = np.arange(P + 2, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        t_table = np.where(m > 1, special.stdtrit(np.maximum(m - 1, 1), 1 - options.alpha / 2),
-                           np.inf)
-    z = float(special.ndtri(1 - options.alpha / 2))
-    kmask = tables.kmask if tables.kmask.shape[0] else np.zeros((1, trace.n_kv_heads, P),
-                                                                 np.uint8)
+    ttab = t_table(options.alpha, P)
     truth = np.empty((H, NQ, d))
     zfull = np.empty((H, NQ))
-    n_it = tables.it_cfg.size
-    out = np.empty((n_it, H, NQ, N_FIELDS))
-    lout = np.empty((n_it, NQ, N_LAYER_FIELDS))
     # One BLAS thread per numba iteration: no oversubscription, and bit-identical results for
-    # any numba thread count (multi-threaded BLAS inside the loop changes the last bits).
-    with threadpool_limits(limits=1, user_api="blas"):
-        truth_kernel(E, V, np.arange(NQ, dtype=np.int64), truth, zfull)
-        ev_stats = np.empty((tables.ev_q.size, H, N_STATS))
-        top = np.empty((tables.ev_q.size, H, TOP_ELIGIBLE), dtype=np.int64)
-        event_stats_kernel(E, zfull, tables.pi, tables.ev_qptr, tables.ev_q, qpos,
-                           trace.group_size, ev_stats, top)
-        replay_kernel(E, zfull, V, V * V, (V * V).sum(axis=2), truth, qpos, tables.pi,
-                      tables.tau, tables.ev_qptr, tables.ev_q, tables.slot_ev, kmask, u,
-                      tables.it_cfg, tables.it_seed, tables.it_slot, tables.it_kslot, flags,
-                      z, t_table, gam, np.ascontiguousarray(gam.transpose(0, 1, 3, 2)), vq, pidx,
-                      wo_t, bool(options.satterthwaite), ev_stats, top,
-                      out, lout)
-    bounds = _bound_pass(trace, policies, qidx, qpos, tables, kmask, u)
-    check = np.full((H, NQ), np.nan)
-    if trace.outputs is not None:
-        check = np.abs(trace.outputs[:, qidx] - truth).max(axis=2)
+    # any numba thread count (multi-threaded BLAS inside the loop changes the last bits). Every
+    # numeric step of the layer runs under the limit.
+    with blas_single_thread():
+        u = seed_uniforms(seeds, trace.layer, n_kv, P)
+        tables = build_inclusion(trace, policies, seeds, qpos, u, n_layers)
+        V = np.ascontiguousarray(trace.values, dtype=np.float64)
+        vn2 = np.einsum("gpd,gpd->gp", V, V)
+        _, pidx = _pairs(G)
+        gram = setup.gram(trace)
+        if gram is None:
+            npairs = pidx.max() + 1
+            gam = np.zeros((n_kv, npairs, 1, 1))
+            gamt, vq, wo_t = gam, np.zeros((n_kv, npairs, 1)), np.zeros((0, 1))
+        else:
+            gam, gamt, wo_t = gram.gam, gram.gamt, gram.wo_t
+            vq = token_quadratic_forms(V, gam)
+        dt = np.dtype(options.precision)
+        K = np.ascontiguousarray(trace.keys, dtype=dt)
+        if dt != np.float64:
+            V = V.astype(dt)
+            wo_t = wo_t.astype(dt)  # the layer error's GEMM too (its sum of squares is float64)
+        kmask = tables.kmask if tables.kmask.shape[0] else np.zeros((1, n_kv, P), np.uint8)
+        n_it = tables.it_cfg.size
+        out = np.empty((n_it, H, NQ, N_FIELDS))
+        lout = np.empty((n_it, NQ, N_LAYER_FIELDS))
+        step = query_chunk(H, NQ, P)
+        Q = np.ascontiguousarray(trace.queries[:, qidx], dtype=dt)
+        for q0 in range(0, NQ, step):
+            q1 = min(NQ, q0 + step)
+            whole = q0 == 0 and q1 == NQ
+            if whole:
+                ev_qptr, ev_q = tables.ev_qptr, tables.ev_q
+            else:
+                ev_qptr, ev_q = _chunk_events(tables.ev_qptr, tables.ev_q, q0, q1)
+            nq = q1 - q0
+            qp = qpos[q0:q1]
+            E = np.empty((H, nq, P), dtype=dt)
+            exp_logits_kernel(np.ascontiguousarray(Q[:, q0:q1]), K, qp, float(trace.scale), G,
+                              E)
+            tr = np.empty((H, nq, d))
+            zf = np.empty((H, nq))
+            truth_kernel(E, V, np.arange(nq, dtype=np.int64), tr, zf)
+            ev_stats = np.empty((ev_q.size, H, N_STATS))
+            top = np.empty((ev_q.size, H, TOP_ELIGIBLE), dtype=np.int64)
+            event_stats_kernel(E, zf, tables.pi, ev_qptr, ev_q, qp, G, ev_stats, top)
+            o = out if whole else np.empty((n_it, H, nq, N_FIELDS))
+            lo = lout if whole else np.empty((n_it, nq, N_LAYER_FIELDS))
+            replay_kernel(E, zf, V, vn2, tr, qp, tables.pi, tables.tau, ev_qptr, ev_q,
+                          tables.slot_ev, kmask, u, tables.it_cfg, tables.it_seed,
+                          tables.it_slot, tables.it_kslot, flags, setup.z, ttab, gam, gamt, vq,
+                          pidx, wo_t, bool(options.satterthwaite), ev_stats, top, o, lo)
+            del E
+            truth[:, q0:q1] = tr
+            zfull[:, q0:q1] = zf
+            if not whole:
+                out[:, :, q0:q1] = o
+                lout[:, q0:q1] = lo
+        check = np.full((H, NQ), np.nan)
+        if trace.outputs is not None:
+            check = np.abs(trace.outputs[:, qidx] - truth).max(axis=2)
+        truth_norm = np.linalg.norm(truth, axis=2)
+        bounds = _bound_pass(trace, policies, qidx, qpos, tables, kmask, u)
     return LayerResult(trace=trace, policies=list(policies), out=out, lout=lout, tables=tables,
                        query_index=qidx, query_positions=qpos,
                        query_roles=[trace.query_roles[i] for i in qidx], output_check=check,
-                       truth_norm=np.linalg.norm(truth, axis=2), seeds=seeds, options=options,
-                       bounds=bounds)
+                       truth_norm=truth_norm, seeds=seeds, options=options, bounds=bounds)
 
 
 def _bound_pass(trace: LayerTrace, policies: list[Policy], qidx: np.ndarray, qpos: np.ndarray,

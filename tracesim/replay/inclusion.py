@@ -14,7 +14,7 @@ import numpy as np
 
 from tracesim.designs import Design
 from tracesim.policies import LayerTrace, Policy
-from tracesim.prn import permanent_uniforms
+from tracesim.prn import uniform_grid
 from tracesim.schedules import event_of_queries, nested_inclusion
 
 __all__ = ["InclusionTables", "build_inclusion", "fixed_kept", "head_inclusion", "seed_uniforms",
@@ -84,12 +84,7 @@ def head_inclusion(scores: np.ndarray, take_all: np.ndarray, design: Design,
 
 def seed_uniforms(seeds: np.ndarray, layer: int, n_kv: int, n_positions: int) -> np.ndarray:
     """Permanent uniforms (stream 0) for every seed, KV head and position: (S, n_kv, P)."""
-    pos = np.arange(n_positions)
-    out = np.empty((len(seeds), n_kv, n_positions))
-    for i, s in enumerate(seeds):
-        for g in range(n_kv):
-            out[i, g] = permanent_uniforms(int(s), layer, g, pos)
-    return out
+    return uniform_grid(np.asarray(seeds, dtype=np.int64), layer, n_kv, n_positions)
 
 
 @dataclass

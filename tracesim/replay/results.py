@@ -79,6 +79,9 @@ def _satterthwaite(out: np.ndarray, lerr: np.ndarray, alpha: float) -> tuple[np.
     tr, tr2, err2 = out[..., K.F_CERT2], out[..., K.F_TRV2], out[..., K.F_ERR2]
     m, pop = out[..., K.F_TAIL], out[..., K.F_POP]
     ok = np.isfinite(tr2) & (pop > 0)
+    if not ok.any():  # satterthwaite off: skip the chi-square quantiles
+        nan = np.full(ok.shape, np.nan)
+        return nan, nan.copy()
     with np.errstate(invalid="ignore", divide="ignore"):
         q = satterthwaite_quantile(np.where(ok, tr, 0.0), np.where(ok, tr2, 1.0), alpha)
         factor = np.where(m > 1, m / np.maximum(m - 1, 1), np.inf)

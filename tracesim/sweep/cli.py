@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes (default: one per core)")
     p.add_argument("--threads-per-worker", type=int, default=None,
-                   help="numba/BLAS threads per worker (default: cores // workers)")
+                   help="numba/BLAS threads per worker (default 1: one worker = one core)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="address of an existing Dask scheduler, e.g. tcp://host:8786 "
                    "(implies --backend dask; default: start a local cluster)")

@@ -98,7 +98,9 @@ def _threads(workers: int, threads: int | None) -> int:
         if threads < 1:
             raise ValueError(f"threads_per_worker = {threads}: expected >= 1")
         return int(threads)
-    return max(1, default_workers() // max(1, workers))
+    # One worker = one core: a second numba thread per worker only adds parallel-region
+    # overhead and idle time at the end of each layer, and makes --workers 1 use two cores.
+    return 1
 
 
 def _prepare(spec: SweepSpec, plan: TaskPlan, out_dir: Path) -> None:
@@ -136,7 +138,7 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
         Worker processes (default: one per core, at most one per pending task). Ignored with
         ``scheduler``.
     threads_per_worker : int, optional
-        numba / BLAS threads per worker (default: cores // workers).
+        numba / BLAS threads per worker (default 1: one worker is one core).
     scheduler : str, optional
         Address of an existing Dask scheduler (implies ``backend="dask"``).
     out : path, optional

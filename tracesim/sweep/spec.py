@@ -36,14 +36,14 @@ SPEC_KEYS: dict[str, str] = {
     "grid": "the policy grid (see tracesim.sweep.grid)",
     "seeds": "number of seeds n (0..n-1) or a list of distinct ints (default 32)",
     "record": "'aggregated' (default: means over seeds) or 'per_seed'",
-    "options": "replay options {alpha, output_space, satterthwaite, roles}",
+    "options": "replay options {alpha, output_space, satterthwaite, roles, precision}",
     "partition": "{layers_per_task: int (default 1), max_task_memory_mb: int (default 1024)}",
     "output": "output directory (or --out)",
     "prereg": "pre-registration file whose sha256 the summary records",
 }
 _SEQ_KEYS = ("ids", "tasks", "limit")
 _OPTION_KEYS = {"alpha": "float", "output_space": "bool", "satterthwaite": "bool",
-                "roles": "list"}
+                "roles": "list", "precision": "precision"}
 _ROLES = ("context_window", "question_window", "decode", "all")
 _PARTITION_KEYS = ("layers_per_task", "max_task_memory_mb")
 #: Limits checked before anything is expanded (docs/sweeps.md, "Limits").
@@ -271,6 +271,8 @@ def _options(value: Any, where: str) -> ReplayOptions:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
                 raise SpecError(f"{k}: expected a number in (0, 1), got {v!r}")
             v = float(v)
+        if kind == "precision" and v not in ("float64", "float32"):
+            raise SpecError(f"{k}: expected 'float64' or 'float32', got {v!r}")
         if kind == "list":
             v = _str_list(v, k)
             for i, role in enumerate(v):

@@ -134,7 +134,7 @@ def write_configs(out_dir: Path, plan: Any, spec: Any) -> Path:
            "seeds": list(spec.seeds),
            "record": spec.record,
            "options": {"alpha": opts.alpha, "output_space": opts.output_space,
-                       "satterthwaite": opts.satterthwaite,
+                       "satterthwaite": opts.satterthwaite, "precision": opts.precision,
                        "roles": None if opts.roles is None else list(opts.roles)},
            "configs": configs}
     path = Path(out_dir) / "configs.json"
@@ -162,6 +162,7 @@ def _configs(out_dir: str, spec_hash: str):
         o = doc["options"]
         options = ReplayOptions(alpha=o["alpha"], output_space=o["output_space"],
                                 satterthwaite=o["satterthwaite"],
+                                precision=o.get("precision", "float64"),
                                 roles=None if o["roles"] is None else tuple(o["roles"]))
         _CONFIGS[key] = (policies, np.asarray(doc["seeds"], dtype=np.int64),
                          doc["record"] == "per_seed", options)
