@@ -24,7 +24,7 @@ from .format import (
     read_model_json,
     sha256_file,
 )
-from .manifest import check_row, read_manifest
+from .manifest import NULLABLE, check_row, read_manifest
 from .safe import member_file
 from .tensorfile import TensorFile, sequence_layout, tensor_name
 
@@ -127,7 +127,7 @@ class TraceSequence:
         m = self.model
         row = self.meta
         label = f"{MANIFEST_FILE}: sequence {self.sequence_id!r}"
-        nulls = [k for k, v in row.items() if v is None]
+        nulls = [k for k, v in row.items() if v is None and k not in NULLABLE]
         if nulls:
             raise StoreError(f"{label}: field(s) {nulls} are null, expected values")
         problems = check_row(row, label)
