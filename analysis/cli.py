@@ -18,7 +18,8 @@ def _command(args: argparse.Namespace) -> int:
     try:
         report = build_report(args.results, args.outcomes, prereg_path=args.prereg,
                               adversary_dir=args.adversary, traces_dir=args.traces,
-                              allow_prereg_change=args.allow_prereg_change)
+                              allow_prereg_change=args.allow_prereg_change,
+                              tiers_dir=args.tiers)
     except (PreregChangedError, ValueError) as exc:
         print(f"tracesim report: {exc}", file=sys.stderr)
         return 2
@@ -54,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--traces", default=None,
                    help="trace store: token log-probs for confidence gating (C7) and the "
                    "provenance header (default: none)")
+    p.add_argument("--tiers", default=None, metavar="DIR",
+                   help="tracesim tiers output: adds C7 in bytes and modelled time (default: "
+                   "none)")
     p.add_argument("--allow-prereg-change", action="store_true",
                    help="report even if the pre-registration changed after the results")
     p.set_defaults(func=_command)

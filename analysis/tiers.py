@@ -16,6 +16,7 @@ steps share one context), then compared across sequences.
 
 from __future__ import annotations
 
+import io
 from itertools import product
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from scipy import stats
 
 from analysis.multiplicity import holm
 
-__all__ = ["compare_schedulers", "scheduler_curves", "tiers_figure"]
+__all__ = ["compare_schedulers", "scheduler_curves", "tiers_figure", "tiers_tables"]
 
 
 def scheduler_curves(df: pd.DataFrame) -> pd.DataFrame:
@@ -111,8 +112,11 @@ def compare_schedulers(curves: pd.DataFrame, scheduler: str = "certificate",
     return table
 
 
-def tiers_figure(curves: pd.DataFrame, path: str | Path) -> Path:
-    """Error against bytes moved and against modelled stall, one line per scheduler."""
+def tiers_figure(curves: pd.DataFrame, path: str | Path | None = None) -> bytes:
+    """Error against bytes moved and against modelled stall, one line per scheduler.
+
+    Returns the PNG bytes (also written to ``path`` when given).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,7 +147,29 @@ def tiers_figure(curves: pd.DataFrame, path: str | Path) -> Path:
     fig.suptitle(f"Fetch schedulers over {n_seq} sequences (oracle dashed: not deployable)",
                  fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    return path
+    png = buf.getvalue()
+    if path is not None:
+        Path(path).write_bytes(png)
+    return png
+
+
+def tiers_tables(df: pd.DataFrame) -> tuple[str, str]:
+    """Text tables for the report: recovered share per scheduler and budget, and the paired
+    tests of the certificate schedulers against ``random`` and ``confidence``."""
+    curves = scheduler_curves(df)
+    agg = curves.groupby(["scheduler", "fetch_budget"]).agg(
+        recovered=("recovered", "mean"), bytes_share=("bytes_share", "mean"),
+        stall_ms=("stall_ms", "mean"), recovered_per_gb=("recovered_per_gb", "mean"),
+        recovered_per_ms=("recovered_per_ms", "mean"))
+    tests = []
+    for s in ("certificate_page", "certificate", "bound"):
+        t = compare_schedulers(curves, s, ("random", "confidence"))
+        if not t.empty:
+            t.insert(0, "scheduler", s)
+            tests.append(t.drop(columns=["config_id"]))
+    test_text = (pd.concat(tests).to_string(index=False, float_format=lambda x: f"{x:.3g}")
+                 if tests else "no certified base policy: no scheduler comparison")
+    return agg.to_string(float_format=lambda x: f"{x:.3g}"), test_text

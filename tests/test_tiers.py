@@ -230,7 +230,18 @@ def test_analysis_curves_tests_and_figure(tmp_path):
     assert table.p_holm.between(0, 1).all()
     # 3 sequences: the exact sign-flip p-value cannot go below 1/8
     assert table.p_perm.min() >= 1 / 8 - 1e-12
-    assert tiers_figure(curves, tmp_path / "tiers.png").stat().st_size > 1000
+    png = tiers_figure(curves, tmp_path / "tiers.png")
+    assert png[:4] == b"\x89PNG" and (tmp_path / "tiers.png").stat().st_size == len(png)
+    # the report carries the tables and the figure with --tiers
+    from pathlib import Path
+
+    from analysis.report import build_report
+    prereg = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
+    report = build_report(None, None, prereg_path=prereg, tiers_dir=tmp_path / "out")
+    assert "tiers" in report.figures
+    assert any("paired tests" in k for k in report.tables)
+    with pytest.raises(ValueError, match="no tiers.parquet"):
+        build_report(None, None, prereg_path=prereg, tiers_dir=tmp_path)
     assert math.isfinite(curves.recovered_per_gb.dropna().iloc[0])
 
 
