@@ -118,8 +118,9 @@ def collect_provenance(results: pd.DataFrame | None, summary_r: dict[str, Any] |
     for df in (res, out):
         if "sequence_id" in df:
             seq_ids |= set(df["sequence_id"].astype(str))
-    tasks = pd.concat([d[["sequence_id", "task"]] for d in (res, out)
-                       if {"sequence_id", "task"} <= set(d.columns)], ignore_index=True)
+    frames = [d[["sequence_id", "task"]] for d in (res, out)
+              if {"sequence_id", "task"} <= set(d.columns)]
+    tasks = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if not tasks.empty:
         per = tasks.drop_duplicates("sequence_id")["task"].value_counts().sort_index()
         rows.append(("tasks", ", ".join(f"{t} ({n})" for t, n in per.items())))
