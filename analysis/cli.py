@@ -18,7 +18,8 @@ def _command(args: argparse.Namespace) -> int:
     try:
         report = build_report(args.results, args.outcomes, prereg_path=args.prereg,
                               adversary_dir=args.adversary, traces_dir=args.traces,
-                              allow_prereg_change=args.allow_prereg_change)
+                              allow_prereg_change=args.allow_prereg_change,
+                              frontier_dir=args.frontier)
     except (PreregChangedError, ValueError) as exc:
         print(f"tracesim report: {exc}", file=sys.stderr)
         return 2
@@ -41,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--adversary", default=None, help="directory with adversary.json (C0)")
     p.add_argument("--traces", default=None,
                    help="trace store (token log-probs for confidence gating, C7)")
+    p.add_argument("--frontier", default=None,
+                   help="tracesim frontier output to include (default RESULTS/frontier if "
+                        "present); its validity_rules.json is checked and used for C8")
     p.add_argument("--allow-prereg-change", action="store_true",
                    help="report even if the pre-registration changed after the results")
     p.set_defaults(func=_command)

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from analysis import figures
 from analysis.claims import INCONCLUSIVE, SUPPORTED, ClaimResult, claims_table
+from analysis.claims_c8 import evaluate_c8
 from analysis.claims_outcomes import evaluate_c2_accuracy, evaluate_c3, evaluate_c4, evaluate_c6
 from analysis.claims_replay import (
     evaluate_c0,
@@ -70,6 +71,7 @@ class Report:
     figures: dict[str, bytes] = field(default_factory=dict)
     tables: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    sections: dict[str, str] = field(default_factory=dict)  # raw Markdown (the frontier)
 
     def terminal_table(self) -> str:
         rows = claims_table(self.claims)
@@ -82,8 +84,14 @@ class Report:
 def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None, *,
                  prereg_path: str | Path, adversary_dir: str | Path | None = None,
                  traces_dir: str | Path | None = None,
-                 allow_prereg_change: bool = False) -> Report:
-    """Evaluate every claim of the pre-registration on the given results."""
+                 allow_prereg_change: bool = False,
+                 frontier_dir: str | Path | None = None) -> Report:
+    """Evaluate every claim of the pre-registration on the given results.
+
+    ``frontier_dir`` (default ``RESULTS/frontier`` when present) is a ``tracesim frontier``
+    output: its tables and figure are included, and its ``validity_rules.json`` is used for C8
+    after checking it was fit on calibration sequences only (``ValidityRuleError`` if not).
+    """
     prereg = load_prereg(prereg_path)
     results = summary_r = outcomes = summary_o = None
     if results_dir is not None:
@@ -113,6 +121,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     res_df = results if results is not None else empty
     out_df = outcomes if outcomes is not None else empty
     if not res_df.empty:
+        # First: a validity rule fitted on held-out sequences stops the report before any work.
+        claims["C8"] = _c8(res_df, prereg, results_dir, frontier_dir, report)
         c1, strata = evaluate_c1(res_df, prereg)
         claims["C1"] = c1
         if strata:
@@ -130,7 +140,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         if not curves.empty:
             report.figures["recompute"] = figures.recompute_figure(curves)
     else:
-        for cid in ("C1", "C2", "C5", "C7"):
+        for cid in ("C1", "C2", "C5", "C7", "C8"):
             claims[cid] = ClaimResult(cid, prereg.claims[cid]["hypothesis"],
                                       detail="no replay results given")
     if not out_df.empty:
@@ -170,6 +180,27 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     return report
 
 
+def _c8(res_df: pd.DataFrame, prereg: Preregistration, results_dir, frontier_dir,
+        report: Report) -> ClaimResult:
+    """C8 with the frontier's rules when given (checked), else rules fitted here; include the
+    frontier's Markdown and figure in the report."""
+    from analysis.validity import load_rules
+
+    fdir = Path(frontier_dir) if frontier_dir is not None else (
+        Path(results_dir) / "frontier" if results_dir is not None else None)
+    rules = None
+    if fdir is not None and (fdir / "validity_rules.json").is_file():
+        rules = load_rules(fdir / "validity_rules.json")
+    c8, _ = evaluate_c8(res_df, prereg, rules)
+    if rules is not None:
+        c8.detail += f"; rules from {fdir.name}/validity_rules.json"
+    if fdir is not None and (fdir / "frontier.md").is_file():
+        report.sections["certificate frontier"] = (fdir / "frontier.md").read_text()
+        if (fdir / "frontier.png").is_file():
+            report.figures["frontier"] = (fdir / "frontier.png").read_bytes()
+    return c8
+
+
 def _logprobs(traces_dir: str | Path) -> dict[str, np.ndarray]:
     from tracesim.store import open_store
 
@@ -197,6 +228,9 @@ def write_report(report: Report, out: str | Path) -> Path:
         md += [f"### {c.claim}: {c.verdict}", "", f"*{c.hypothesis}*", "", c.detail, ""]
     for title, text in report.tables.items():
         md += [f"## {title}", "", "```", text, "```", ""]
+    for title, text in report.sections.items():
+        md += [f"## {title}", "", text.replace("\n# ", "\n### ").replace("\n## ", "\n### "),
+               ""]
     for name in report.figures:
         md += [f"![{name}]({name}.png)", ""]
     (out / "report.md").write_text("\n".join(md))
@@ -216,7 +250,7 @@ def write_report(report: Report, out: str | Path) -> Path:
     for c in report.claims:
         body.append(f"<h3>{c.claim}: {html.escape(c.verdict)}</h3><p><em>"
                     f"{html.escape(c.hypothesis)}</em></p><p>{html.escape(c.detail)}</p>")
-    for title, text in report.tables.items():
+    for title, text in {**report.tables, **report.sections}.items():
         body.append(f"<h2>{html.escape(title)}</h2><pre>{html.escape(text)}</pre>")
     for name, png in report.figures.items():
         data = base64.b64encode(png).decode()

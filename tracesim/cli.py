@@ -20,6 +20,7 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "tracesim.adversary",
     "capture.evict_run",
     "analysis.cli",
+    "analysis.frontier_cli",
     "tracesim.demo",
 )
 
