@@ -77,6 +77,8 @@ def reference_replay(trace, policies, seeds, tables: InclusionTables, alpha: flo
                 o[K.F_EV_MAX] = full_w[ev_set].max() if ev_set.any() else 0.0
                 if not policy.certified:
                     continue
+                if m > 0:
+                    o[K.F_MAX_TAIL] = (w[tail] / w.sum()).max()
                 tr = np.trace(V)
                 o[K.F_CERT2] = tr
                 o[K.F_TRV2] = (V * V).sum()

@@ -104,3 +104,23 @@ def test_vnorm_changes_the_retained_cache():
                                score_params={"window": 8})
     assert not table.column("topk_identical").to_pylist()[1]
     assert make_policy("vnorm", "topk", 0.3).score.top_fraction == 0.5
+
+
+def test_replay_cli_floor_oracle_and_new_columns(store_path, tmp_path, capsys):
+    out = tmp_path / "floor"
+    code = cli_main(["replay", str(store_path), "--score", "oracle,snapkv", "--design",
+                     "poisson", "--budget", "0.4", "--seeds", "2", "--window", "8",
+                     "--mixture", "0.1", "--floor", "0.05", "--layers", "1",
+                     "--no-progress", "--out", str(out)])
+    assert code == 0
+    configs = json.loads((out / "configs.json").read_text())
+    assert {c["design"]["floor"] for c in configs} == {0.05}
+    df = pq.read_table(out / "replay.parquet").to_pandas()
+    assert (df["floor"] == 0.05).all()
+    assert dict(df.groupby("score")["deployable"].first()) == {"oracle": False, "snapkv": True}
+    mtw = df["max_tail_weight"]
+    assert mtw.notna().any() and ((mtw.dropna() > 0) & (mtw.dropna() <= 1)).all()
+    capsys.readouterr()
+    assert cli_main(["replay", str(store_path), "--design", "poisson", "--floor", "1.0",
+                     "--out", str(tmp_path / "bad")]) == 2
+    assert "--floor = 1.0: expected a value in [0, 1)" in capsys.readouterr().err

@@ -195,3 +195,51 @@ def test_dry_run_prints_plan_and_runs_nothing(store_dir, tmp_path, capsys):
     # The configs the workers will read survive their JSON round trip.
     spec = load_spec(spec_path)
     assert all(json.loads(p.to_json()) for p in spec.policies)
+
+
+def test_score_and_design_options_from_a_grid():
+    pols = parse_grid({"score": ["snapkv", "knorm", "oracle"], "design": "poisson",
+                       "budget": 0.25, "schedule": "decode:4",
+                       "score_params": {"snapkv": {"window_source": ["last", "question"],
+                                                   "refresh": [False, True]},
+                                        "knorm": {"refresh": True}},
+                       "design_params": {"poisson": {"mixture": 0.1, "floor": [0.0, 0.05]}}})
+    snap = [p for p in pols if p.score.name == "snapkv"]
+    assert len(snap) == 2 * 2 * 2
+    assert {(p.score.window_source, p.score.refresh) for p in snap} == {
+        ("last", False), ("last", True), ("question", False), ("question", True)}
+    assert all(p.score.refresh for p in pols if p.score.name == "knorm")
+    assert {p.design.floor for p in pols} == {0.0, 0.05}
+    assert {p.row()["floor"] for p in pols} == {0.0, 0.05}
+    assert [p.row()["deployable"] for p in pols if p.score.name == "oracle"] == [False, False]
+
+
+@pytest.mark.parametrize("params, where, words", [
+    ({"design_params": {"poisson": {"floor": 1.0}}}, "grid.design_params.poisson",
+     "PoissonPPS.floor = 1.0: expected a value in [0, 1)"),
+    ({"design_params": {"poisson": {"floor": -0.1}}}, "grid.design_params.poisson",
+     "PoissonPPS.floor"),
+    ({"design_params": {"poisson": {"floor": "high"}}}, "grid.design_params.poisson.floor",
+     "wrong type"),
+    ({"score_params": {"snapkv": {"window_source": "first"}}}, "grid.score_params.snapkv",
+     "SnapKVScore.window_source = 'first'"),
+    ({"score_params": {"snapkv": {"refresh": 1}}}, "grid.score_params.snapkv.refresh",
+     "wrong type"),
+])
+def test_bad_score_and_design_options_name_the_field(params, where, words):
+    grid = {"score": "snapkv", "design": "poisson", "budget": 0.25, **params}
+    with pytest.raises(SpecError) as err:
+        parse_grid(grid, where="spec.yaml: grid")
+    msg = str(err.value)
+    assert msg.startswith(f"spec.yaml: {where}:") and words in msg, msg
+
+
+def test_oracle_on_a_store_without_decode_queries_is_refused(tmp_path):
+    build_sweep_store(tmp_path / "store", n_seqs=1, P=60, prompt=60)
+    doc = {"store": "store", "grid": {"score": "oracle", "design": "poisson", "budget": 0.5}}
+    with pytest.raises(SpecError, match=r"spec.yaml: grid.score: 'oracle' scores with the "
+                                        r"decode queries, and sequence 's0'"):
+        parse_spec(doc, source="spec.yaml", base_dir=tmp_path)
+    doc["grid"]["score"] = "snapkv"
+    doc["grid"]["score_params"] = {"snapkv": {"window": 6}}
+    assert parse_spec(doc, source="spec.yaml", base_dir=tmp_path).policies

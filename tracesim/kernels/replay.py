@@ -39,13 +39,14 @@ from tracesim.kernels.replay_events import (
 # Fields of ``out[iteration, head, query, :]``.
 F_ERR2, F_REL, F_CERT2, F_CERT2_SMALL, F_TAIL, F_NEFF, F_WALD, F_WALD_T, F_TRV2 = range(9)
 F_KEPT, F_EXPECTED, F_POP, F_OUT_MASS, F_OUT_MAX, F_EV_MASS, F_EV_MAX, F_EVENT = range(9, 17)
-N_FIELDS = 17
+F_MAX_TAIL = 17  # largest normalised Hájek weight of a kept tail token (NaN: none / uncertified)
+N_FIELDS = 18
 # Fields of ``lout[iteration, query, :]`` (per layer, output space).
 L_ERR2, L_CERT2 = 0, 1
 N_LAYER_FIELDS = 2
 # Row scalars.
-_Z, _SC, _Q, _SW, _SW2, _SCW, _SC1, _MT, _QG = range(9)
-_NS = 9
+_Z, _SC, _Q, _SW, _SW2, _SCW, _SC1, _MT, _QG, _WMAX = range(10)
+_NS = 10
 
 
 @nb.njit(cache=True)
@@ -90,6 +91,7 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptfla
             s_qg = 0.0
             s_cw = 0.0
             s_c1 = 0.0
+            wmax = 0.0
             pd = pidx[hh, hh]
             fr = nqe * npx + r
             for j in range(mt):
@@ -105,6 +107,8 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptfla
                 n_t += 1.0
                 sw += w
                 sw2 += w * w
+                if w > wmax:
+                    wmax = w
                 if tail:
                     wd = cw[j] * w * w
                     Wd[r, j] = wd
@@ -125,6 +129,7 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptfla
             sc[r, _QG] = s_qg
             sc[r, _SCW] = s_cw
             sc[r, _SC1] = s_c1
+            sc[r, _WMAX] = wmax
         if tail and use_os:
             x = 0
             for ha in range(G):
@@ -188,6 +193,7 @@ def _unit(E, zfull, Vg, V2g, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptfla
                                                top[j0 + a, h], int(st[S_N_ELIG]))
             o[F_EV_MASS] = st[S_EV_MASS]
             o[F_EV_MAX] = st[S_EV_MAX]
+            o[F_MAX_TAIL] = sc[r, _WMAX] / Z[r] if (certify and mr > 0) else np.nan
             if not certify:
                 o[F_CERT2] = np.nan
                 o[F_CERT2_SMALL] = np.nan

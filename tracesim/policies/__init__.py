@@ -11,6 +11,7 @@ score          rule                                                  non-negativ
 ``vnorm``      largest ``‖v‖`` take-all, design over the rest        ``‖v‖``, as is
 ``keyformer``  Gumbel-perturbed accumulated attention                ``h2o · exp(tau g)``
 ``random``     uniform noise (naive baseline, uncorrected)           ``u`` in (0, 1)
+``oracle``     the decode queries' own attention (not deployable)    mass, as is
 ``full``       no eviction (the reference)                           —
 =============  ====================================================  ======================
 
@@ -30,6 +31,7 @@ from tracesim.policies.full import FullScore
 from tracesim.policies.h2o import H2OScore
 from tracesim.policies.keyformer import KeyformerScore
 from tracesim.policies.knorm import KNormScore
+from tracesim.policies.oracle import OracleScore
 from tracesim.policies.policy import CORRECTIONS, POLICY_COLUMNS, Policy
 from tracesim.policies.snapkv import SnapKVScore
 from tracesim.policies.streaming import StreamingScore
@@ -41,14 +43,14 @@ from tracesim.schedules import Schedule
 
 __all__ = [
     "CORRECTIONS", "POLICY_COLUMNS", "SCORES", "FullScore", "H2OScore", "KNormScore",
-    "KeyformerScore", "LayerTrace", "Policy", "RandomScore", "Score", "SnapKVScore",
+    "KeyformerScore", "LayerTrace", "OracleScore", "Policy", "RandomScore", "Score", "SnapKVScore",
     "StreamingScore", "TOVAScore", "VNormScore", "make_policy", "make_score", "policy_grid",
     "take_all_mask",
 ]
 
 SCORES: dict[str, type[Score]] = {cls.name: cls for cls in (
     StreamingScore, H2OScore, SnapKVScore, TOVAScore, KNormScore, VNormScore, KeyformerScore,
-    RandomScore, FullScore)}
+    RandomScore, OracleScore, FullScore)}
 
 
 def make_score(name: str, **params: Any) -> Score:

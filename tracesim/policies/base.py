@@ -65,6 +65,9 @@ class Score:
         Correction used when a policy asks for ``"auto"``.
     evicts : bool
         False only for ``full`` (no eviction).
+    deployable : bool
+        False for reference scores that read what a server cannot know when it evicts (the
+        ``oracle`` reads the future decode queries); reported in the ``deployable`` column.
     transform : str
         How raw importance becomes a non-negative score (documentation).
     """
@@ -73,6 +76,7 @@ class Score:
     seed_dependent: ClassVar[bool] = False
     default_correction: ClassVar[str] = "hajek"
     evicts: ClassVar[bool] = True
+    deployable: ClassVar[bool] = True
     transform: ClassVar[str] = ""
 
     sinks: int = 4

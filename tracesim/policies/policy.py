@@ -20,7 +20,7 @@ CORRECTIONS = ("none", "hajek")
 POLICY_COLUMNS = (
     "config_id", "score", "design", "correction", "budget", "budget_unit", "allocator",
     "alpha", "beta", "schedule", "every", "sinks", "window", "top_fraction", "mixture",
-    "floor", "design_kind", "score_params", "certified",
+    "floor", "design_kind", "score_params", "certified", "deployable",
 )
 
 
@@ -132,6 +132,7 @@ class Policy:
             "design_kind": str(d.get("kind", "")),
             "score_params": self.score.specific_params_json(),
             "certified": self.certified,
+            "deployable": bool(self.score.deployable),
         }
 
     def to_json(self) -> str:

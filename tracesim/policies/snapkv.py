@@ -10,7 +10,7 @@ import numpy as np
 from tracesim.policies.base import Score
 from tracesim.policies.context import LayerTrace
 
-__all__ = ["SnapKVScore", "pool1d"]
+__all__ = ["WINDOW_SOURCES", "SnapKVScore", "pool1d", "positions_indices"]
 
 
 def pool1d(x: np.ndarray, kernel: int, kind: str) -> np.ndarray:
@@ -30,9 +30,30 @@ def pool1d(x: np.ndarray, kernel: int, kind: str) -> np.ndarray:
     return windows.max(axis=1)
 
 
+WINDOW_SOURCES = ("last", "question")
+
+
+def positions_indices(trace: LayerTrace, lo: int, hi: int, who: str) -> np.ndarray:
+    """Indices of the stored queries at positions ``[lo, hi)``, whatever their role.
+
+    Raises ``ValueError`` naming the sequence and the missing positions if any is not stored.
+    """
+    want = np.arange(max(0, lo), hi)
+    idx = np.searchsorted(trace.query_positions, want)
+    ok = idx < trace.query_positions.size
+    ok[ok] = trace.query_positions[idx[ok]] == want[ok]
+    if not ok.all():
+        missing = want[~ok]
+        raise ValueError(
+            f"{who}: sequence {trace.sequence_id!r} does not store the queries at positions "
+            f"[{max(0, lo)}, {hi}) ({missing.size} missing, first {int(missing[0])}); capture "
+            "with a window at least this long, lower `window`, or use window_source='question'")
+    return idx
+
+
 @dataclass(frozen=True)
 class SnapKVScore(Score):
-    """Mean attention of the last ``window`` observation queries over the group, then pooled.
+    """Mean attention of the observation window's queries over the group, then pooled.
 
     Parameters
     ----------
@@ -42,15 +63,27 @@ class SnapKVScore(Score):
         Pooling kernel (odd); 1 disables pooling.
     pooling : {"avg", "max"}
     question_aware : bool, default True
-        True: the window is the ``question_window`` queries (the last prompt tokens, which
-        include the question) and the whole prompt is compressed. False: the window is the
-        ``context_window`` queries (the last tokens before the question) and only the context
-        ``[0, question_start)`` is compressed; question tokens are always kept.
+        True: the whole prompt ``[0, prompt_length)`` is compressed and the window ends at the
+        end of the prompt. False: only the context ``[0, question_start)`` is compressed, the
+        window ends at ``question_start``, and question tokens are always kept.
+    window_source : {"last", "question"}, default "last"
+        ``"last"`` (SnapKV as published): the observation queries are those at the last
+        ``window`` positions of the compressed range, ``[L - window, L)`` with ``L`` the
+        prompt length (question-aware) or ``question_start`` (question-agnostic), whatever role
+        they are stored under; every one of them must be stored (else ``ValueError``).
+        ``"question"``: only the queries stored under the window's role (``question_window``,
+        or ``context_window`` when question-agnostic), at most the last ``window`` of them; with
+        fewer stored, all of them (on 1k-token passkey prompts the question-window role holds
+        the 16-18 question tokens, not 32).
+    refresh : bool, default False
+        Under ``decode:K``, at every decode-time event ``tau`` the observation window slides:
+        the last ``window`` queries among the one-shot window's queries and the stored decode
+        queries at positions ``< tau``. Without refresh every event reuses the one-shot
+        window's queries. No effect on the first event (one-shot compression).
 
     Notes
     -----
-    Attention is post-softmax mass (>= 0); pooling preserves non-negativity. If the store holds
-    fewer than ``window`` queries of the role, all of them are used.
+    Attention is post-softmax mass (>= 0); pooling preserves non-negativity.
     """
 
     name: ClassVar[str] = "snapkv"
@@ -60,6 +93,8 @@ class SnapKVScore(Score):
     kernel: int = 5
     pooling: str = "avg"
     question_aware: bool = True
+    window_source: str = "last"
+    refresh: bool = False
 
     def validate(self) -> None:
         if self.kernel < 1 or self.kernel % 2 == 0:
@@ -68,6 +103,11 @@ class SnapKVScore(Score):
             raise ValueError(f"SnapKVScore.pooling = {self.pooling!r}: expected 'avg' or 'max'")
         if not isinstance(self.question_aware, bool):
             raise ValueError("SnapKVScore.question_aware must be a bool")
+        if self.window_source not in WINDOW_SOURCES:
+            raise ValueError(f"SnapKVScore.window_source = {self.window_source!r}: expected "
+                             f"one of {list(WINDOW_SOURCES)}")
+        if not isinstance(self.refresh, bool):
+            raise ValueError(f"SnapKVScore.refresh = {self.refresh!r}: expected a bool")
 
     @property
     def role(self) -> str:
@@ -76,13 +116,27 @@ class SnapKVScore(Score):
     def compress_end(self, trace: LayerTrace) -> int:
         return trace.prompt_length if self.question_aware else max(1, trace.question_start)
 
-    def window_queries(self, trace: LayerTrace, end: int) -> np.ndarray:
-        """Indices of the observation queries for an event at ``end``."""
+    def prompt_window(self, trace: LayerTrace, end: int | None = None) -> np.ndarray:
+        """Indices of the observation queries without refresh (see ``window_source``)."""
+        L = self.compress_end(trace)
+        if self.window_source == "last":
+            return positions_indices(trace, L - max(self.window, 1), L,
+                                     f"snapkv(window_source='last', window={self.window})")
+        end = L if end is None else end
         idx = trace.role_indices(self.role, before=end)
         if idx.size == 0:
-            # Decode-time events (or stores without the role): the last stored queries before end.
+            # Stores without the role: the last stored queries before the event.
             idx = trace.indices_before(end)
         return idx[-self.window:] if self.window > 0 else idx[-1:]
+
+    def window_queries(self, trace: LayerTrace, end: int) -> np.ndarray:
+        """Indices of the observation queries for an event at ``end``."""
+        idx = self.prompt_window(trace, end)
+        if self.refresh and end > self.compress_end(trace):
+            dec = trace.role_indices("decode", before=end)
+            idx = np.union1d(idx, dec)
+            idx = idx[-self.window:] if self.window > 0 else idx[-1:]
+        return idx
 
     def scores(self, trace: LayerTrace, kv_head: int, end: int,
                seed: int | None = None) -> np.ndarray:

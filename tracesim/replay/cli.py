@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "OUT/configs.json and a printed summary. See docs/replay.md.")
     p.add_argument("traces", metavar="TRACES", help="trace store directory")
     p.add_argument("--score", type=_csv(str), default=["snapkv"],
-                   help="scores (streaming,h2o,snapkv,tova,knorm,vnorm,keyformer,random,full)")
+                   help="scores (streaming,h2o,snapkv,tova,knorm,vnorm,keyformer,random,oracle,"
+                        "full)")
     p.add_argument("--design", type=_csv(str), default=["topk", "poisson"],
                    help="designs (topk,poisson,bernoulli,fixed)")
     p.add_argument("--budget", type=_csv(float), default=[0.25],
@@ -45,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="'oneshot' or 'decode:K' (evict every K decode steps)")
     p.add_argument("--mixture", type=float, default=None,
                    help="defensive mixture of poisson/fixed designs (default 0)")
+    p.add_argument("--floor", type=float, default=None,
+                   help="lower bound on every tail pi of poisson/fixed designs, in [0, 1) "
+                        "(default 0)")
     p.add_argument("--window", type=int, default=None, help="override every score's window")
     p.add_argument("--seeds", type=int, default=32, help="number of seeds (default 32)")
     p.add_argument("--layers", type=_csv(int), default=None, help="layers (default: all)")
@@ -97,10 +101,14 @@ def build_policies(args: argparse.Namespace) -> list:
     score_params = {}
     if args.window is not None:
         score_params = {s: {"window": args.window} for s in SCORES if s != "full"}
-    design_params = {}
+    common = {}
     if args.mixture is not None:
-        design_params = {"poisson": {"mixture": args.mixture},
-                         "fixed": {"mixture": args.mixture}}
+        common["mixture"] = args.mixture
+    if args.floor is not None:
+        if not 0.0 <= args.floor < 1.0:
+            raise ValueError(f"--floor = {args.floor}: expected a value in [0, 1)")
+        common["floor"] = args.floor
+    design_params = {"poisson": dict(common), "fixed": dict(common)} if common else {}
     return policy_grid(args.score, args.design, args.budget, correction=args.correction,
                        schedule=args.schedule, allocator=args.allocator,
                        design_params=design_params, score_params=score_params)

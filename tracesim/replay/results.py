@@ -38,6 +38,9 @@ METRICS: dict[str, tuple[int | None, str]] = {
     "tail_out_max": (K.F_OUT_MAX, "largest full-cache weight of a sampled-out token"),
     "evicted_mass": (K.F_EV_MASS, "full-cache attention mass on evicted tokens (pi = 0)"),
     "evicted_max": (K.F_EV_MAX, "largest full-cache weight of an evicted token"),
+    "max_tail_weight": (K.F_MAX_TAIL, "largest normalised Hájek weight a_i of a kept tail "
+                                      "token (pi < 1); server-knowable (NaN: no kept tail "
+                                      "token the query sees, or not certified)"),
     "layer_err2": (None, "|sum_h W_O,h (o_hat_h - o_h)|^2 of the layer (output space; NaN "
                          "without o_proj); repeated on every head row"),
     "layer_cert2": (None, "output-space (GQA) certificate of the layer; repeated per head"),
@@ -51,7 +54,7 @@ RESULT_COLUMNS: dict[str, pa.DataType] = {
     "prompt_length": pa.int32(), "n_positions": pa.int32(),
     **{c: (pa.string() if c in ("config_id", "score", "design", "correction", "budget_unit",
                                   "allocator", "schedule", "design_kind", "score_params")
-           else pa.bool_() if c == "certified"
+           else pa.bool_() if c in ("certified", "deployable")
            else pa.int32() if c in ("every", "sinks", "window") else pa.float64())
        for c in POLICY_COLUMNS},
     "seed": pa.int64(), "n_seeds": pa.int32(), "event": pa.int32(),

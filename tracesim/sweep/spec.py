@@ -284,6 +284,7 @@ def _check_selection(spec: SweepSpec, where: str) -> None:
     found: set[str] = set()
     total = 0
     wanted = spec.options.roles
+    oracle = any(p.score.name == "oracle" for p in spec.policies)
     for ref in spec.stores:
         store = open_store(ref.path)
         found.update(s for s in store.sequence_ids if spec.sequences.ids is None
@@ -304,6 +305,10 @@ def _check_selection(spec: SweepSpec, where: str) -> None:
                 raise SpecError(f"{where}: options.roles: sequence {sid!r} of store "
                                 f"{ref.name!r} stores no query with role "
                                 f"{list(wanted) if wanted else ['decode', 'question_window']}")
+            if oracle and "decode" not in roles:
+                raise SpecError(f"{where}: grid.score: 'oracle' scores with the decode "
+                                f"queries, and sequence {sid!r} of store {ref.name!r} stores "
+                                "none")
     for i, sid in enumerate(spec.sequences.ids or ()):
         if sid not in found:
             raise SpecError(f"{where}: sequences.ids[{i}]: no store has sequence {sid!r}")

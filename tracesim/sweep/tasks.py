@@ -32,7 +32,7 @@ __all__ = ["META_KEY", "Task", "TaskPlan", "config_cost", "plan_tasks", "read_ta
 
 #: Parquet key-value metadata key of a task file (JSON: key, spec hash, rows, ...).
 META_KEY = b"tracesim.sweep.task"
-_N_FIELDS = 17          # per-(iteration, head, query) float64 fields of the kernel's output
+_N_FIELDS = 18          # per-(iteration, head, query) float64 fields of the kernel's output
 _ROW_BYTES = 8 * 64     # bytes per result row in flight (Arrow batch + numpy intermediates)
 
 
