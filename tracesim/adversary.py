@@ -9,6 +9,10 @@ inclusion probability, so some seeds sample them and its certificate grows with 
 
 ``delta`` is a fixed random unit direction (seed 0) scaled by the RMS value norm of the head,
 so ``t`` is in units of a typical ``|v|``.
+
+With page summaries of the evicted tokens retained (``summary_page > 0``, ``docs/bounds.md``)
+the perturbation is *seen*: the top-k cache stays bit-identical, but the deterministic bound
+computed from it and the summaries (``topk_bound2``) grows with ``t``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracesim.kernels import replay as K
+from tracesim.kernels.bounds import B_BOUND
 from tracesim.policies import LayerTrace, make_policy
 from tracesim.replay.engine import ReplayOptions, replay_layer
 from tracesim.replay.inclusion import seed_uniforms
@@ -47,7 +52,7 @@ def retained_hash(trace: LayerTrace, kv_head: int, pi: np.ndarray, scores: np.nd
 def impossibility_demo(trace: LayerTrace, *, score: str = "snapkv", budget: float = 0.25,
                        head: int = 0, grid: tuple[float, ...] = DEFAULT_GRID, seeds: int = 64,
                        mixture: float = 0.1, n_layers: int = 1,
-                       score_params: dict | None = None) -> pa.Table:
+                       score_params: dict | None = None, summary_page: int = 16) -> pa.Table:
     """Run the demo on one layer and return one row per ``t``.
 
     Parameters
@@ -71,18 +76,22 @@ def impossibility_demo(trace: LayerTrace, *, score: str = "snapkv", budget: floa
         Layers of the model (only PyramidKV budgets use it).
     score_params : dict, optional
         Score hyperparameters (e.g. ``{"window": 8}`` for short traces).
+    summary_page : int, default 16
+        Page size of the top-k policy's missing-token summaries (0: no bound).
 
     Returns
     -------
     pyarrow.Table
         Columns: ``t``, ``topk_retained_hash``, ``topk_identical`` (hash equals the ``t = 0``
-        one), ``topk_err2``, ``topk_cert2`` (NaN: no certificate), ``poisson_err2``,
+        one), ``topk_err2``, ``topk_cert2`` (NaN: no certificate), ``topk_bound2`` (the
+        page-summary bound squared, NaN without summaries), ``poisson_err2``,
         ``poisson_cert2``, ``poisson_wald_cov``, ``poisson_seeds_sampling_perturbed``,
         ``evicted_tokens``, ``evicted_mass`` — errors and certificates are means over the
         evaluated queries (and seeds).
     """
     g = head // trace.group_size
-    topk = make_policy(score, "topk", budget, score_params=score_params)
+    topk = make_policy(score, "topk", budget, score_params=score_params,
+                       summary_page=summary_page)
     pois = make_policy(score, "poisson", budget, score_params=score_params,
                        design_params={"mixture": mixture})
     opts = ReplayOptions(output_space=False)
@@ -120,6 +129,8 @@ def impossibility_demo(trace: LayerTrace, *, score: str = "snapkv", budget: floa
         rows.append({
             "t": float(t), "topk_retained_hash": digest, "topk_identical": digest == first_hash,
             "topk_err2": float(tk[:, K.F_ERR2].mean()), "topk_cert2": float("nan"),
+            "topk_bound2": (float((res.bounds[res.tables.it_cfg == 0][0, head, :, B_BOUND] ** 2)
+                                  .mean()) if res.bounds is not None else float("nan")),
             "poisson_err2": float(po[..., K.F_ERR2].mean()),
             "poisson_cert2": float(po[..., K.F_CERT2].mean()),
             "poisson_wald_cov": float(np.nanmean(po[..., K.F_WALD])),
@@ -133,11 +144,13 @@ def impossibility_demo(trace: LayerTrace, *, score: str = "snapkv", budget: floa
 def format_table(table: pa.Table) -> str:
     """Aligned text rendering of the demo table."""
     head = (f"{'t':>8} {'retained hash':<17} {'same':<5} {'topk err2':>11} {'topk cert':>9} "
+            f"{'topk bound2':>11} "
             f"{'pois err2':>11} {'pois cert2':>11} {'wald':>6} {'sampled':>7}")
     lines = [head, "-" * len(head)]
     for r in table.to_pylist():
         lines.append(f"{r['t']:>8g} {r['topk_retained_hash']:<17} {str(r['topk_identical']):<5} "
-                     f"{r['topk_err2']:>11.4g} {'none':>9} {r['poisson_err2']:>11.4g} "
+                     f"{r['topk_err2']:>11.4g} {'none':>9} {r['topk_bound2']:>11.4g} "
+                     f"{r['poisson_err2']:>11.4g} "
                      f"{r['poisson_cert2']:>11.4g} {r['poisson_wald_cov']:>6.3f} "
                      f"{r['poisson_seeds_sampling_perturbed']:>7.2f}")
     return "\n".join(lines)
@@ -159,6 +172,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, default=64)
     p.add_argument("--mixture", type=float, default=0.1)
     p.add_argument("--window", type=int, default=None, help="override the score's window")
+    p.add_argument("--summary-page", type=int, default=16,
+                   help="page size (positions) of the summaries top-k keeps of what it evicts, "
+                   "for the deterministic bound column; 0 = none (default 16)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=run_adversary)
 
@@ -180,7 +196,8 @@ def run_adversary(args: argparse.Namespace) -> int:
                                    grid=grid, seeds=args.seeds, mixture=args.mixture,
                                    n_layers=store.model.n_layers,
                                    score_params=None if args.window is None
-                                   else {"window": args.window})
+                                   else {"window": args.window},
+                                   summary_page=args.summary_page)
     except (ValueError, StoreError, KeyError) as exc:
         print(f"tracesim adversary: {exc}", file=sys.stderr)
         return 2

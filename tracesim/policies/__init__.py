@@ -67,11 +67,13 @@ def make_policy(
     schedule: str | Schedule = "oneshot",
     score_params: dict[str, Any] | None = None,
     design_params: dict[str, Any] | None = None,
+    summary_page: int = 0,
 ) -> Policy:
     """Convenience constructor: ``make_policy("snapkv", "poisson", 0.25)``.
 
     A float ``budget`` is a fraction if <= 1, else a token count; a ``schedule`` string is
-    ``"oneshot"`` or ``"decode"`` / ``"decode:K"`` (every K steps).
+    ``"oneshot"`` or ``"decode"`` / ``"decode:K"`` (every K steps); ``summary_page`` is the
+    page size of the missing-token summaries (0 = none, see :class:`Policy`).
     """
     if isinstance(score, str):
         score = make_score(score, **(score_params or {}))
@@ -84,14 +86,14 @@ def make_policy(
         kind, _, every = schedule.partition(":")
         schedule = Schedule(kind, int(every)) if every else Schedule(kind)
     return Policy(score=score, design=design, correction=correction, budget=budget,
-                  schedule=schedule)
+                  schedule=schedule, summary_page=summary_page)
 
 
 def policy_grid(
     scores: list[str], designs: list[str], budgets: list[float], *,
     correction: str = "auto", schedule: str | Schedule = "oneshot",
     allocator: str = "uniform", design_params: dict[str, dict[str, Any]] | None = None,
-    score_params: dict[str, dict[str, Any]] | None = None,
+    score_params: dict[str, dict[str, Any]] | None = None, summary_page: int = 0,
 ) -> list[Policy]:
     """Every score × design × budget combination (``full`` once), deduplicated by id."""
     out: dict[str, Policy] = {}
@@ -102,6 +104,7 @@ def policy_grid(
                 budget = Budget(value, "fraction" if value <= 1 else "tokens", allocator)
                 p = make_policy(s, dname, budget, correction=correction, schedule=schedule,
                                 score_params=(score_params or {}).get(s),
-                                design_params=(design_params or {}).get(dname))
+                                design_params=(design_params or {}).get(dname),
+                                summary_page=summary_page)
                 out.setdefault(p.id, p)
     return list(out.values())

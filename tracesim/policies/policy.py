@@ -20,7 +20,7 @@ CORRECTIONS = ("none", "hajek")
 POLICY_COLUMNS = (
     "config_id", "score", "design", "correction", "budget", "budget_unit", "allocator",
     "alpha", "beta", "schedule", "every", "sinks", "window", "top_fraction", "mixture",
-    "floor", "design_kind", "score_params", "certified", "deployable",
+    "floor", "design_kind", "score_params", "certified", "deployable", "summary_page",
 )
 
 
@@ -50,6 +50,10 @@ class Policy:
     budget : Budget, optional
         Required unless the score is ``full``.
     schedule : Schedule
+    summary_page : int, default 0
+        Page size (positions) of the summaries retained for the tokens the policy does not
+        keep, which give the deterministic ``bound`` (``docs/math.md``, section 9); 0 = none.
+        Part of the id only when > 0.
 
     Notes
     -----
@@ -62,11 +66,17 @@ class Policy:
     correction: str = "auto"
     budget: Budget | None = None
     schedule: Schedule = field(default_factory=Schedule)
+    summary_page: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.score, Score):
             raise ValueError(f"Policy.score must be a Score, got {type(self.score).__name__}")
+        sp = self.summary_page
+        if isinstance(sp, bool) or not isinstance(sp, int) or sp < 0:
+            raise ValueError(f"Policy.summary_page = {sp!r}: expected an integer page size "
+                             f">= 1 (positions per page), or 0 for no summaries")
         if not self.score.evicts:
+            object.__setattr__(self, "summary_page", 0)
             # The full cache ignores design, correction and budget: normalise for a stable id.
             object.__setattr__(self, "design", None)
             object.__setattr__(self, "correction", "none")
@@ -105,8 +115,9 @@ class Policy:
         """Stable string id: ``score(...)|design(...)|correction|budget|schedule``."""
         if not self.score.evicts:
             return "full"
-        return "|".join((self.score.label(), _design_label(self.design), self.correction,
-                         self.budget.label(), self.schedule.label()))
+        parts = (self.score.label(), _design_label(self.design), self.correction,
+                 self.budget.label(), self.schedule.label())
+        return "|".join(parts + ((f"pages={self.summary_page}",) if self.summary_page else ()))
 
     def row(self) -> dict[str, Any]:
         """The configuration as Parquet columns (:data:`POLICY_COLUMNS`, fixed types)."""
@@ -133,11 +144,14 @@ class Policy:
             "score_params": self.score.specific_params_json(),
             "certified": self.certified,
             "deployable": bool(self.score.deployable),
+            "summary_page": int(self.summary_page),
         }
 
     def to_json(self) -> str:
         """JSON description (no pickle anywhere) that :meth:`from_dict` reads back."""
+        extra = {"summary_page": self.summary_page} if self.summary_page else {}
         return json.dumps({
+            **extra,
             "score": {"name": self.score.name, **self.score.params()},
             "design": None if self.design is None else {"name": self.design.name,
                                                         **asdict(self.design)},
@@ -160,6 +174,7 @@ class Policy:
         budget = Budget(**spec["budget"]) if spec.get("budget") else None
         schedule = Schedule(**spec.get("schedule", {}))
         return cls(score=score, design=design, correction=spec.get("correction", "auto"),
-                   budget=budget, schedule=schedule)
+                   budget=budget, schedule=schedule,
+                   summary_page=spec.get("summary_page", 0))
 
 

@@ -50,6 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="lower bound on every tail pi of poisson/fixed designs, in [0, 1) "
                         "(default 0)")
     p.add_argument("--window", type=int, default=None, help="override every score's window")
+    p.add_argument("--summary-page", type=_csv(int), default=[0], metavar="P",
+                   help="page sizes in positions (comma-separated, swept) of the summaries "
+                   "kept for the tokens a policy does not keep, which give the deterministic "
+                   "bound (columns bound2, bound_cov, summary_tokens); 0 = none (default 0)")
     p.add_argument("--seeds", type=int, default=32, help="number of seeds (default 32)")
     p.add_argument("--layers", type=_csv(int), default=None, help="layers (default: all)")
     p.add_argument("--sequences", type=_csv(str), default=None,
@@ -109,9 +113,17 @@ def build_policies(args: argparse.Namespace) -> list:
             raise ValueError(f"--floor = {args.floor}: expected a value in [0, 1)")
         common["floor"] = args.floor
     design_params = {"poisson": dict(common), "fixed": dict(common)} if common else {}
-    return policy_grid(args.score, args.design, args.budget, correction=args.correction,
-                       schedule=args.schedule, allocator=args.allocator,
-                       design_params=design_params, score_params=score_params)
+    out: dict = {}
+    for page in args.summary_page:
+        if page < 0:
+            raise ValueError(f"--summary-page {page}: expected a page size >= 1 (positions per "
+                             f"page) or 0 for no summaries")
+        for p in policy_grid(args.score, args.design, args.budget, correction=args.correction,
+                             schedule=args.schedule, allocator=args.allocator,
+                             design_params=design_params, score_params=score_params,
+                             summary_page=page):
+            out.setdefault(p.id, p)
+    return list(out.values())
 
 
 def run_replay(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import scipy.linalg.cython_blas  # noqa: F401  (loaded before the thread limit i
 from scipy import stats
 from threadpoolctl import threadpool_limits
 
+from tracesim.kernels.bounds import N_BOUND_FIELDS, bound_kernel
 from tracesim.kernels.replay import N_FIELDS, N_LAYER_FIELDS, replay_kernel
 from tracesim.kernels.replay_events import (
     N_STATS,
@@ -91,6 +92,10 @@ class LayerResult:
     truth_norm : ndarray, shape (n_heads, n_query)
         ``|o|`` of the full-cache output.
     seeds : ndarray of int64
+    bounds : ndarray, shape (n_iter, n_heads, n_query, N_BOUND_FIELDS), or None
+        Page-summary bound, missing-mass bound and summary memory
+        (:mod:`tracesim.kernels.bounds`); NaN for policies without summaries, None if no
+        policy has any.
     """
 
     trace: LayerTrace
@@ -105,6 +110,7 @@ class LayerResult:
     truth_norm: np.ndarray
     seeds: np.ndarray
     options: ReplayOptions
+    bounds: np.ndarray | None = None
 
     @property
     def output_check_relative(self) -> float:
@@ -211,10 +217,29 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
                       z, t_table, gam, np.ascontiguousarray(gam.transpose(0, 1, 3, 2)), vq, pidx,
                       wo_t, bool(options.satterthwaite), ev_stats, top,
                       out, lout)
+    bounds = _bound_pass(trace, policies, qidx, qpos, tables, kmask, u)
     check = np.full((H, NQ), np.nan)
     if trace.outputs is not None:
         check = np.abs(trace.outputs[:, qidx] - truth).max(axis=2)
     return LayerResult(trace=trace, policies=list(policies), out=out, lout=lout, tables=tables,
                        query_index=qidx, query_positions=qpos,
                        query_roles=[trace.query_roles[i] for i in qidx], output_check=check,
-                       truth_norm=np.linalg.norm(truth, axis=2), seeds=seeds, options=options)
+                       truth_norm=np.linalg.norm(truth, axis=2), seeds=seeds, options=options,
+                       bounds=bounds)
+
+
+def _bound_pass(trace: LayerTrace, policies: list[Policy], qidx: np.ndarray, qpos: np.ndarray,
+                tables: InclusionTables, kmask: np.ndarray, u: np.ndarray) -> np.ndarray | None:
+    """The page-summary bound of every iteration (``None`` if no policy keeps summaries)."""
+    page = np.array([p.summary_page for p in policies], dtype=np.int64)
+    if not (page > 0).any():
+        return None
+    corrected = np.array([p.correction == "hajek" for p in policies], dtype=np.bool_)
+    out = np.empty((tables.it_cfg.size, trace.n_heads, qidx.size, N_BOUND_FIELDS))
+    bound_kernel(np.ascontiguousarray(trace.queries[:, qidx], dtype=np.float64),
+                 np.ascontiguousarray(trace.keys, dtype=np.float64),
+                 np.ascontiguousarray(trace.values, dtype=np.float64), qpos, float(trace.scale),
+                 tables.pi, tables.ev_qptr, tables.ev_q, tables.slot_ev, kmask, u,
+                 tables.it_cfg, tables.it_seed, tables.it_slot, tables.it_kslot, corrected, page,
+                 out)
+    return out

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from tracesim.coverage import satterthwaite_quantile
+from tracesim.kernels import bounds as KB
 from tracesim.kernels import replay as K
 from tracesim.policies import POLICY_COLUMNS
 from tracesim.replay.engine import LayerResult
@@ -44,6 +45,12 @@ METRICS: dict[str, tuple[int | None, str]] = {
     "layer_err2": (None, "|sum_h W_O,h (o_hat_h - o_h)|^2 of the layer (output space; NaN "
                          "without o_proj); repeated on every head row"),
     "layer_cert2": (None, "output-space (GQA) certificate of the layer; repeated per head"),
+    "bound2": (None, "page-summary bound squared, >= err2 for every draw (value units^2; NaN "
+                     "unless summary_page > 0)"),
+    "bound_cov": (None, "fraction of seeds with err2 <= bound2 (must be 1; NaN without "
+                        "summaries)"),
+    "bound_mass": (None, "bound on the full-cache attention mass of the missing tokens"),
+    "summary_tokens": (None, "memory of the page summaries, token-equivalents per KV head"),
 }
 
 #: Every column in order, with its Arrow type.
@@ -55,7 +62,8 @@ RESULT_COLUMNS: dict[str, pa.DataType] = {
     **{c: (pa.string() if c in ("config_id", "score", "design", "correction", "budget_unit",
                                   "allocator", "schedule", "design_kind", "score_params")
            else pa.bool_() if c in ("certified", "deployable")
-           else pa.int32() if c in ("every", "sinks", "window") else pa.float64())
+           else pa.int32() if c in ("every", "sinks", "window", "summary_page")
+           else pa.float64())
        for c in POLICY_COLUMNS},
     "seed": pa.int64(), "n_seeds": pa.int32(), "event": pa.int32(),
     "context_tokens": pa.int32(), "nominal_tokens": pa.int32(), "budget_tokens": pa.float64(),
@@ -78,6 +86,21 @@ def _satterthwaite(out: np.ndarray, lerr: np.ndarray, alpha: float) -> tuple[np.
     return cov, cov_t
 
 
+def _bound_metrics(result: LayerResult) -> dict[str, np.ndarray]:
+    """Per-iteration ``bound2``, ``bound_cov``, ``bound_mass``, ``summary_tokens`` (NaN: none)."""
+    shape = result.out.shape[:3]
+    if result.bounds is None:
+        nan = np.full(shape, np.nan)
+        return {"bound2": nan, "bound_cov": nan, "bound_mass": nan, "summary_tokens": nan}
+    b = result.bounds
+    bound2 = b[..., KB.B_BOUND] ** 2
+    with np.errstate(invalid="ignore"):
+        cov = np.where(np.isnan(bound2), np.nan,
+                       (result.out[..., K.F_ERR2] <= bound2).astype(float))
+    return {"bound2": bound2, "bound_cov": cov, "bound_mass": b[..., KB.B_MASS],
+            "summary_tokens": b[..., KB.B_TOKENS]}
+
+
 def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
     """Arrow rows of one replayed layer (see :data:`RESULT_COLUMNS`)."""
     tr = result.trace
@@ -94,6 +117,7 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
     per_it.update(sat_cov=sat, sat_t_cov=sat_t, budget_tokens=budget,
                   layer_err2=np.broadcast_to(lout[:, None, :, K.L_ERR2], out.shape[:3]),
                   layer_cert2=np.broadcast_to(lout[:, None, :, K.L_CERT2], out.shape[:3]))
+    per_it.update(_bound_metrics(result))
     if per_seed:
         groups = [np.array([i]) for i in range(tabs.it_cfg.size)]
     else:

@@ -42,6 +42,8 @@ GRID_KEYS: dict[str, tuple[bool, str]] = {
                             "the key '*' applies to every score that has the parameter"),
     "design_params": (False, "per-design hyperparameters {design: {param: value or [values]}}"),
     "allocator_params": (False, "allocator hyperparameters: adakv: {alpha}, pyramidkv: {beta}"),
+    "summary_page": (False, "page sizes (positions, integers >= 1) of the missing-token "
+                            "summaries behind the deterministic bound; 0 = none (default)"),
 }
 
 _ALLOCATOR_PARAMS = {"uniform": (), "adakv": ("alpha",), "pyramidkv": ("beta",)}
@@ -110,6 +112,17 @@ def _schedule(value: Any, where: str) -> Schedule:
     if not every.isdigit() or int(every) < 1:
         raise _fail(where, f"{value!r}: K in 'decode:K' must be an integer >= 1")
     return Schedule("decode", int(every))
+
+
+def _pages(value: Any, where: str) -> list[int]:
+    out = []
+    for i, v in enumerate(_as_list(value, where)):
+        key = f"{where}[{i}]" if isinstance(value, list) else where
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _fail(key, f"{v!r} is not a page size; expected an integer >= 1 (positions "
+                             "per page) or 0 for no summaries")
+        out.append(v)
+    return out
 
 
 def _check_type(value: Any, typ: str, where: str) -> Any:
@@ -209,6 +222,7 @@ def _expand_one(grid: Any, where: str) -> GridExpansion:
     schedules = [_schedule(s, f"{where}.schedule[{i}]" if isinstance(raw_s, list) else
                            f"{where}.schedule")
                  for i, s in enumerate(_as_list(raw_s, f"{where}.schedule"))]
+    pages = _pages(grid.get("summary_page", 0), f"{where}.summary_page")
     score_p = _section(grid, "score_params", scores, SCORES, where,
                        lambda n: {k: t for k, t in _field_types(SCORES[n]).items()})
     design_p = _section(grid, "design_params", designs, DESIGNS, where,
@@ -233,8 +247,8 @@ def _expand_one(grid: Any, where: str) -> GridExpansion:
                         design = make_design(dname, **dp)
                     except ValueError as exc:
                         raise _fail(f"{where}.design_params.{dname}", str(exc)) from None
-                    for corr, (value, unit), alloc, sched in itertools.product(
-                            corrections, budgets, allocators, schedules):
+                    for corr, (value, unit), alloc, sched, page in itertools.product(
+                            corrections, budgets, allocators, schedules, pages):
                         for ap in alloc_p[alloc]:
                             try:
                                 budget = Budget(value, unit, alloc, **ap)
@@ -247,7 +261,7 @@ def _expand_one(grid: Any, where: str) -> GridExpansion:
                                 continue
                             try:
                                 p = Policy(score=score, design=design, correction=corr,
-                                           budget=budget, schedule=sched)
+                                           budget=budget, schedule=sched, summary_page=page)
                             except ValueError as exc:
                                 raise _fail(where, str(exc)) from None
                             out.setdefault(p.id, p)
