@@ -183,14 +183,14 @@ def frontier_table(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = 
     df["_seq"] = pd.factorize(df["sequence_id"])[0]
     for kind in kinds:
         df[f"_s_{kind}"] = _strata_labels(df, kind)
-    if rules is not None:
+    if rules:
         if salt is None or fraction is None:
             raise ValueError("rules need the pre-registered split (salt, fraction)")
         split = split_sequences(df["sequence_id"].unique(), salt, fraction)
         df["_heldout"] = df["sequence_id"].astype(str).map(split).eq(False).to_numpy()
         df["_ruled"] = apply_rules(df, rules)
     else:
-        notes.append("no validity rules given: no `ruled` variant")
+        notes.append("no validity rule: no `ruled` variant")
     out = []
     for (fam, budget), g in df.groupby(["family", "budget"], sort=True):
         first = g.iloc[0]
@@ -210,7 +210,7 @@ def frontier_table(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = 
                 if col in g:
                     y = g[col].to_numpy(float)
                     variants.append((name, y, g, cert & ~np.isnan(y)))
-            if rules is not None:
+            if rules:
                 sel = g["_heldout"].to_numpy()
                 h = g[sel]
                 y = h["wald_cov"].to_numpy(float)

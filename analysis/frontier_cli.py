@@ -61,8 +61,16 @@ def load_frontier_results(path: str | Path) -> pd.DataFrame:
     if missing:
         raise ValueError(f"{p}: results lack the columns {missing}")
     cols = [c for c in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS) if c in names]
-    table = pq.read_table(p, columns=cols)
-    return table.to_pandas()
+    schema = pq.read_schema(p)
+    strings = [c for c in cols if pa.types.is_string(schema.field(c).type)]
+    # Dictionary-encoded strings become pandas categoricals: millions of per-seed rows of a
+    # few dozen configurations stay small in memory.
+    table = pq.read_table(p, columns=cols, read_dictionary=strings)
+    df = table.to_pandas()
+    for c in strings:
+        if c not in ("sequence_id", "config_id"):
+            df[c] = df[c].astype(str)
+    return df
 
 
 def pareto_figure(table: pd.DataFrame) -> bytes:

@@ -234,11 +234,16 @@ def fit_rules(df: pd.DataFrame, settings: SplitSettings) -> tuple[dict[str, Vali
     rules: dict[str, ValidityRule] = {}
     notes: list[str] = []
     cert = df[df["certified"].astype(bool) & df["cert2"].notna()]
-    for cid, g in cert.groupby("config_id", sort=True):
+    failed: list[str] = []
+    for cid, g in cert.groupby("config_id", sort=True, observed=True):
         try:
             rules[str(cid)] = fit_rule(g, settings, str(cid))
-        except ValueError as exc:
-            notes.append(f"validity rule not fitted: {exc}")
+        except ValueError:
+            failed.append(str(cid))
+    if failed:
+        notes.append(f"no validity rule could be fitted for {len(failed)} configuration(s) "
+                     f"(no candidate certifies rows of two or more calibration sequences), "
+                     f"e.g. {failed[0]}")
     if "max_tail_weight" not in df:
         notes.append("results have no max_tail_weight column: rules use m and n_eff only")
     return rules, notes
