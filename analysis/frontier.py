@@ -200,7 +200,9 @@ def frontier_table(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = 
                 "deployable": bool(g["deployable"].all()) if "deployable" in g
                 else first["score"] != "oracle",
                 "memory": float(g["_memory"].mean()), "err2": float(g["err2"].mean()),
-                "rel_err": float(g["rel_err"].mean())}
+                "rel_err": float(g["rel_err"].mean()),
+                "summary_tokens": float(g["summary_tokens"].mean()) if "summary_tokens" in g
+                else np.nan}
         base["tightness_median"], base["tightness_p90"] = _tightness(g)
         cert = (g["certified"].astype(bool) & g["cert2"].notna()).to_numpy()
         variants: list[tuple[str, np.ndarray, pd.DataFrame, np.ndarray]] = []
@@ -233,37 +235,42 @@ def frontier_table(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = 
     table["err_vs_topk"] = _versus_topk(table)
     cols = ["family", "score", "design", "budget", "budget_unit", "variant", "stratum_kind",
             "stratum", "deployable", "coverage", "ci_low", "ci_high", "n_rows", "n_sequences",
-            "frac_certified", "memory", "err2", "rel_err", "err_vs_topk", "tightness_median",
-            "tightness_p90", "config_id"]
+            "frac_certified", "memory", "summary_tokens", "err2", "rel_err", "err_vs_topk",
+            "tightness_median", "tightness_p90", "config_id"]
     for c in cols:
         if c not in table:
             table[c] = np.nan
     return table[cols], notes
 
 
-def _topk_key(fam_row: pd.Series) -> tuple:
+def _topk_key(fam_row: pd.Series) -> tuple[tuple, str]:
+    """(score part, allocator, schedule) of the config id, and its page suffix."""
     cfg = str(fam_row["config_id"]).split("|")
-    # config id: score(...)|design(...)|correction|allocator:budget|schedule[...]
+    # config id: score(...)|design(...)|correction|allocator:budget|schedule[|pages=P]
     alloc = cfg[3].split(":")[0] if len(cfg) > 3 else ""
-    return (cfg[0], alloc, cfg[4] if len(cfg) > 4 else "")
+    pages = cfg[5] if len(cfg) > 5 else ""
+    return (cfg[0], alloc, cfg[4] if len(cfg) > 4 else ""), pages
 
 
 def _versus_topk(table: pd.DataFrame) -> np.ndarray:
-    """err2 / interpolated top-k err2 at equal memory (see the module docstring)."""
+    """err2 / interpolated top-k err2 at equal memory (see the module docstring).
+
+    The reference is top-k without page summaries when the table has it for the score, else
+    top-k with the same page size (both sides then pay for their summaries in memory).
+    """
     res = np.full(len(table), np.nan)
     if table.empty:
         return res
     first = table.drop_duplicates(["family", "budget"])
     topk = first[first["design"] == "topk"]
-    plain = ~topk["family"].str.contains("·P")
     curves: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    for key, g in topk.assign(_key=[_topk_key(r) for _, r in topk.iterrows()],
-                              _plain=plain).groupby("_key"):
-        g = g[g["_plain"]] if g["_plain"].any() else g
+    for (key, pages), g in topk.groupby([topk.apply(lambda r: _topk_key(r)[0], axis=1),
+                                         topk.apply(lambda r: _topk_key(r)[1], axis=1)]):
         g = g.groupby("memory", as_index=False)["err2"].mean().sort_values("memory")
-        curves[key] = (g["memory"].to_numpy(float), g["err2"].to_numpy(float))
+        curves[(key, pages)] = (g["memory"].to_numpy(float), g["err2"].to_numpy(float))
     for i, (_, r) in enumerate(table.iterrows()):
-        curve = curves.get(_topk_key(r))
+        key, pages = _topk_key(r)
+        curve = curves.get((key, "")) or curves.get((key, pages))
         if curve is None or not np.isfinite(r["memory"]):
             continue
         mem, err = curve

@@ -216,3 +216,16 @@ def test_prereg_c8_errors_name_the_field(tmp_path):
     bad.write_text(text.replace("interval: [0.93, 0.97]", "interval: [0.97, 0.93]"))
     with pytest.raises(ValueError, match="claims.C8.interval"):
         load_prereg(bad)
+
+
+def test_study_specs_are_valid_grids_pointed_at_the_study_traces(tmp_path):
+    from tracesim.study import SPECS, study_spec
+    from tracesim.sweep.grid import parse_grid
+
+    for name in SPECS:
+        spec = study_spec(name, tmp_path / "out", tmp_path / "traces")
+        assert all(s["path"].startswith(str((tmp_path / "traces").resolve()))
+                   for s in spec["store"])
+        assert spec["output"] == str((tmp_path / "out" / f"sweep-{name}").resolve())
+        assert spec["record"] == "per_seed"  # the validity rule reads per-draw m, n_eff
+        assert parse_grid(spec["grid"], where=name)
