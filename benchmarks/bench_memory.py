@@ -73,7 +73,10 @@ def measure(n_layers: int = 48, P: int = 4096, seeds: int = 4) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         store_bytes = write_store(Path(tmp) / "store", n_layers, P)
         store = open_store(Path(tmp) / "store")
-        pols = [make_policy("snapkv", "topk", 0.25), make_policy("snapkv", "poisson", 0.25)]
+        # The store records 16 question-window queries (SnapKV's default window reads 32).
+        sp = {"window_source": "question"}
+        pols = [make_policy("snapkv", "topk", 0.25, score_params=sp),
+                make_policy("snapkv", "poisson", 0.25, score_params=sp)]
         replay(store, pols, seeds=seeds, layers=[0], progress=False)  # compile / load cache
         gc.collect()
         base_anon, base_file = _rss()

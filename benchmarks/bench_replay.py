@@ -58,7 +58,9 @@ def sgemm_rate(n: int = 4096, repeats: int = 3, threads: int = 2) -> tuple[float
 
 
 def policies() -> list:
-    return [make_policy(s, d, b, design_params={"mixture": 0.1} if d == "poisson" else None)
+    # The synthetic trace records 8-query windows: SnapKV reads its question-window queries.
+    return [make_policy(s, d, b, design_params={"mixture": 0.1} if d == "poisson" else None,
+                        score_params={"window_source": "question"} if s == "snapkv" else None)
             for s in SCORES for d in DESIGNS for b in BUDGETS]
 
 

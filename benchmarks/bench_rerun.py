@@ -98,7 +98,8 @@ def main() -> None:
 
     threads = numba.get_num_threads()
     pols = policy_grid(["snapkv", "h2o"], ["topk", "poisson", "bernoulli"], [0.25, 0.5],
-                       design_params={"poisson": {"mixture": 0.1}})
+                       design_params={"poisson": {"mixture": 0.1}},
+                       score_params={"snapkv": {"window_source": "question"}})
     pairs = sum(args.seeds if p.needs_seeds else 1 for p in pols)
     with tempfile.TemporaryDirectory() as tmp:
         traces = Path(args.traces) if args.traces else None
