@@ -112,12 +112,17 @@ def _adversarial_head(rng, kind, N=64, d=8):
         values[rng.integers(N, size=3)] *= 1e6
     elif kind == "huge_logits":
         keys *= 40.0
+    elif kind == "extreme_spike":  # kept weights underflow against the spike's page bound
+        keys[int(rng.integers(N))] = q * 1000.0 / (q @ q)
     return q, keys, values
 
 
-@pytest.mark.parametrize("kind", ["plain", "spike", "huge_values", "huge_logits"])
+KINDS = ["plain", "spike", "huge_values", "huge_logits", "extreme_spike"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_bound_holds_on_adversarial_heads(kind):
-    rng = np.random.default_rng({"plain": 0, "spike": 1, "huge_values": 2, "huge_logits": 3}[kind])
+    rng = np.random.default_rng(KINDS.index(kind))
     for trial in range(150):
         q, keys, values = _adversarial_head(rng, kind)
         kept = rng.random(keys.shape[0]) < rng.uniform(0.05, 0.9)
@@ -125,8 +130,11 @@ def test_bound_holds_on_adversarial_heads(kind):
         s = build_page_summaries(keys, values, ~kept, page)
         o = _attention(q, keys, values, 1.0)
         ests = [None, values[kept].mean(0) if kept.any() else values[0], np.zeros(8)]
+        o_r = _attention(q, keys[kept], values[kept], 1.0) if kept.any() else None
         for est in ests:
             res = attention_error_bound(q, keys, values, kept, s, 1.0, estimate=est)
+            if est is None and o_r is not None:  # o_R itself must be right, not just consistent
+                np.testing.assert_allclose(res.kept_average, o_r, rtol=1e-9, atol=1e-12)
             o_hat = res.kept_average if est is None else est
             assert np.linalg.norm(o_hat - o) <= res.bound, (kind, trial, page)
             true_mass = _missing_mass(q, keys, kept)

@@ -111,17 +111,19 @@ def attention_error_bound(query: np.ndarray, keys: np.ndarray, values: np.ndarra
     whole = summaries.last[pages] <= t
     lo = np.where(whole, logit_lower_bounds(q, summaries, scale)[pages], -np.inf)
     n = summaries.count[pages].astype(np.float64)
-    shift = max(s.max() if s.size else -np.inf, u.max() if u.size else -np.inf)
+    top_r = s.max() if s.size else -np.inf
+    shift = max(top_r, u.max() if u.size else -np.inf)
     if not np.isfinite(shift):
         shift = 0.0
-    w = np.exp(s - shift)
-    e_r = float(w.sum())
-    o_r = (w @ values[idx]) / e_r if e_r > 0 else np.zeros(keys.shape[1])
+    # o_R from the kept tokens' own shift (it stays exact when E_R underflows below the pages).
+    w = np.exp(s - top_r) if s.size else s
+    o_r = (w @ values[idx]) / w.sum() if s.size else np.zeros(keys.shape[1])
+    e_r = float(w.sum() * np.exp(top_r - shift)) if s.size else 0.0
     o_hat = o_r if estimate is None else np.asarray(estimate, dtype=np.float64)
     hi = n * np.exp(u - shift)
     low = n * np.exp(lo - shift)
     dist = np.linalg.norm(summaries.vcen[pages] - o_hat, axis=1) + summaries.vrad[pages]
-    a = float(np.linalg.norm(o_r - o_hat)) if e_r > 0 else 0.0
+    a = float(np.linalg.norm(o_r - o_hat)) if s.size else 0.0
     bound = ratio_box_max(e_r * a + float(dist @ low), e_r + float(low.sum()), dist, hi - low)
     vmax = max(float(np.linalg.norm(values[idx], axis=1).max()) if idx.size else 0.0,
                float((np.linalg.norm(summaries.vcen[pages], axis=1)

@@ -108,6 +108,7 @@ def row_bound(qv, Kg, Vg, scale, t, kept_idx, m, pi_row, corrected, n_pages, kmi
         s[mv] = scale * acc
         top = max(top, s[mv])
         mv += 1
+    top_r = top
     npv = 0
     for b in range(n_pages):
         if first[b] > t:
@@ -136,7 +137,7 @@ def row_bound(qv, Kg, Vg, scale, t, kept_idx, m, pi_row, corrected, n_pages, kmi
         p = kept_idx[j]
         if p > t:
             continue
-        x = np.exp(s[mv] - top)
+        x = np.exp(s[mv] - top_r)
         xh = x / pi_row[p] if (corrected and pi_row[p] < 1.0) else x
         e_r += x
         zh += xh
@@ -156,6 +157,8 @@ def row_bound(qv, Kg, Vg, scale, t, kept_idx, m, pi_row, corrected, n_pages, kmi
         on += o_h[k] * o_h[k]
     a = np.sqrt(a) if e_r > 0.0 else 0.0
     vmax = max(vmax, np.sqrt(on))
+    # Weights above used the kept tokens' own shift (exact o_R and o_hat); E_R on the common one.
+    e_r = e_r * np.exp(top_r - top) if mv > 0 else 0.0
     num0 = e_r * a
     den0 = e_r
     hsum = 0.0
