@@ -19,7 +19,7 @@ def _command(args: argparse.Namespace) -> int:
         report = build_report(args.results, args.outcomes, prereg_path=args.prereg,
                               adversary_dir=args.adversary, traces_dir=args.traces,
                               allow_prereg_change=args.allow_prereg_change,
-                              tiers_dir=args.tiers)
+                              tiers_dir=args.tiers, frontier_dir=args.frontier)
     except (PreregChangedError, ValueError) as exc:
         print(f"tracesim report: {exc}", file=sys.stderr)
         return 2
@@ -58,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tiers", default=None, metavar="DIR",
                    help="tracesim tiers output: adds C7 in bytes and modelled time (default: "
                    "none)")
+    p.add_argument("--frontier", default=None, metavar="DIR",
+                   help="tracesim frontier output to include (default: RESULTS/frontier if "
+                        "present); its validity_rules.json is checked and used for C8")
     p.add_argument("--allow-prereg-change", action="store_true",
                    help="report even if the pre-registration changed after the results")
     p.set_defaults(func=_command)

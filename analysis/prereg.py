@@ -12,7 +12,7 @@ import yaml
 __all__ = ["CLAIM_IDS", "PreregChangedError", "Preregistration", "check_prereg_hash",
            "load_prereg", "prereg_hash"]
 
-CLAIM_IDS = ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C7")
+CLAIM_IDS = ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8")
 _REQUIRED = ("hypothesis", "metric", "compare", "test", "verdict")
 _EVENTS = ("wald", "satterthwaite")
 _CERTIFICATES = ("primary", "small_sample")
@@ -94,8 +94,40 @@ def load_prereg(path: str | Path) -> Preregistration:
         fail("claims.C1.certificate", f"expected one of {list(_CERTIFICATES)}")
     if not isinstance(c1.get("nominal"), (int, float)) or not 0 < c1["nominal"] < 1:
         fail("claims.C1.nominal", "expected a number in (0, 1)")
+    _check_c8(claims["C8"], fail)
     return Preregistration(path=path, sha256=prereg_hash(path), alpha=float(alpha),
                            multiplicity="holm", claims=dict(claims))
+
+
+def _check_c8(c8: dict[str, Any], fail) -> None:
+    """The validity rule's split, interval and candidate grid (see ``analysis.validity``)."""
+    split = c8.get("split")
+    if not isinstance(split, dict):
+        fail("claims.C8.split", "expected a mapping {unit, salt, calibration_fraction}")
+    if split.get("unit", "sequence") != "sequence":
+        fail("claims.C8.split.unit", "only 'sequence' is supported")
+    if not isinstance(split.get("salt"), str) or not split["salt"]:
+        fail("claims.C8.split.salt", "expected a non-empty string")
+    f = split.get("calibration_fraction")
+    if not isinstance(f, (int, float)) or not 0 < f < 1:
+        fail("claims.C8.split.calibration_fraction", f"expected a number in (0, 1), got {f!r}")
+    iv = c8.get("interval")
+    if (not isinstance(iv, list) or len(iv) != 2
+            or not all(isinstance(v, (int, float)) for v in iv) or not 0 < iv[0] < iv[1] < 1):
+        fail("claims.C8.interval", f"expected [low, high] with 0 < low < high < 1, got {iv!r}")
+    if c8.get("certificate", "primary") not in _CERTIFICATES:
+        fail("claims.C8.certificate", f"expected one of {list(_CERTIFICATES)}")
+    if not isinstance(c8.get("nominal"), (int, float)) or not 0 < c8["nominal"] < 1:
+        fail("claims.C8.nominal", "expected a number in (0, 1)")
+    grid = c8.get("grid", {})
+    if not isinstance(grid, dict):
+        fail("claims.C8.grid", "expected a mapping of threshold name to a list of numbers")
+    for key, vals in grid.items():
+        if key not in ("min_tail", "min_neff", "max_weight"):
+            fail(f"claims.C8.grid.{key}", "unknown key; expected min_tail, min_neff, max_weight")
+        if not isinstance(vals, list) or not vals or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            fail(f"claims.C8.grid.{key}", f"expected a non-empty list of numbers, got {vals!r}")
 
 
 def check_prereg_hash(prereg: Preregistration, recorded: str | None, *,

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from analysis import figures
 from analysis import report_figures as rfig
 from analysis.claims import INCONCLUSIVE, SUPPORTED, ClaimResult, claims_table
+from analysis.claims_c8 import evaluate_c8
 from analysis.claims_outcomes import evaluate_c2_accuracy, evaluate_c3, evaluate_c4, evaluate_c6
 from analysis.claims_replay import (
     evaluate_c0,
@@ -82,6 +83,7 @@ class Report:
         """Add a ``(png, caption)`` pair (``None``: nothing to draw)."""
         if made is not None:
             self.figures[name], self.captions[name] = made
+    sections: dict[str, str] = field(default_factory=dict)  # raw Markdown (the frontier)
 
     def terminal_table(self) -> str:
         rows = claims_table(self.claims)
@@ -95,9 +97,15 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                  prereg_path: str | Path, adversary_dir: str | Path | None = None,
                  traces_dir: str | Path | None = None,
                  allow_prereg_change: bool = False,
-                 tiers_dir: str | Path | None = None) -> Report:
-    """Evaluate every claim of the pre-registration on the given results (and, with
-    ``tiers_dir``, C7 in bytes and modelled time from ``tracesim tiers``)."""
+                 tiers_dir: str | Path | None = None,
+                 frontier_dir: str | Path | None = None) -> Report:
+    """Evaluate every claim of the pre-registration on the given results.
+
+    ``frontier_dir`` (default ``RESULTS/frontier`` when present) is a ``tracesim frontier``
+    output: its tables and figure are included, and its ``validity_rules.json`` is used for C8
+    after checking it was fit on calibration sequences only (``ValidityRuleError`` if not).
+    ``tiers_dir`` is a ``tracesim tiers`` output: C7 in bytes and modelled time.
+    """
     prereg = load_prereg(prereg_path)
     results = summary_r = outcomes = summary_o = None
     if results_dir is not None:
@@ -130,6 +138,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     res_df = results if results is not None else empty
     out_df = outcomes if outcomes is not None else empty
     if not res_df.empty:
+        # First: a validity rule fitted on held-out sequences stops the report before any work.
+        claims["C8"] = _c8(res_df, prereg, results_dir, frontier_dir, report)
         c1, strata = evaluate_c1(res_df, prereg)
         claims["C1"] = c1
         if strata:
@@ -156,7 +166,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
             report.add_figure("recompute", (figures.recompute_figure(curves),
                                             _RECOMPUTE_CAPTION))
     else:
-        for cid in ("C1", "C2", "C5", "C7"):
+        for cid in ("C1", "C2", "C5", "C7", "C8"):
             claims[cid] = ClaimResult(cid, prereg.claims[cid]["hypothesis"],
                                       detail="no replay results given")
     if not out_df.empty:
@@ -197,6 +207,34 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                 c.detail += (f"; significant alone (p = {c.pvalue:.3g}) but not after Holm "
                              f"(p = {c.adjusted_pvalue:.3g})")
     return report
+
+
+def _c8(res_df: pd.DataFrame, prereg: Preregistration, results_dir, frontier_dir,
+        report: Report) -> ClaimResult:
+    """C8 with the frontier's rules when given (checked), else rules fitted here; include the
+    frontier's Markdown and figure in the report."""
+    from analysis.validity import load_rules
+
+    fdir = Path(frontier_dir) if frontier_dir is not None else (
+        Path(results_dir) / "frontier" if results_dir is not None else None)
+    rules = None
+    if fdir is not None and (fdir / "validity_rules.json").is_file():
+        rules = load_rules(fdir / "validity_rules.json")
+    c8, _ = evaluate_c8(res_df, prereg, rules)
+    if rules is not None:
+        c8.detail += f"; rules from {fdir.name}/validity_rules.json"
+    if fdir is not None and (fdir / "frontier.md").is_file():
+        report.sections["certificate frontier"] = (fdir / "frontier.md").read_text()
+        if (fdir / "frontier.png").is_file():
+            report.add_figure("frontier", ((fdir / "frontier.png").read_bytes(),
+                                           _FRONTIER_CAPTION))
+    return c8
+
+
+_FRONTIER_CAPTION = (
+    "The certificate frontier (tracesim frontier): memory against error and against coverage per "
+    "score, design and budget; the table in the 'certificate frontier' section gives the "
+    "values with cluster-robust intervals.")
 
 
 def _add_tiers(report: Report, tiers_dir: str | Path) -> None:
@@ -290,6 +328,9 @@ def _write_report(report: Report, out: Path, write) -> Path:
         md += [f"### {c.claim}: {c.verdict}", "", f"*{c.hypothesis}*", "", c.detail, ""]
     for title, text in report.tables.items():
         md += [f"## {title}", "", "```", text, "```", ""]
+    for title, text in report.sections.items():
+        md += [f"## {title}", "", text.replace("\n# ", "\n### ").replace("\n## ", "\n### "),
+               ""]
     md += ["## Figures", ""]
     for i, name in enumerate(report.figures, 1):
         md += [f"![{name}]({name}.png)", "",
@@ -319,7 +360,7 @@ def _write_report(report: Report, out: Path, write) -> Path:
     for c in report.claims:
         body.append(f"<h3>{c.claim}: {esc(c.verdict)}</h3><p><em>"
                     f"{esc(c.hypothesis)}</em></p><p>{esc(c.detail)}</p>")
-    for title, text in report.tables.items():
+    for title, text in {**report.tables, **report.sections}.items():
         body.append(f"<h2>{esc(title)}</h2><pre>{esc(text)}</pre>")
     if report.figures:
         body.append("<h2>Figures</h2>")

@@ -27,6 +27,7 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "tracesim.adversary",
     "capture.evict_run",
     "analysis.cli",
+    "analysis.frontier_cli",
     "tracesim.demo",
     "tracesim.synth.cli",
     "tracesim.export",
@@ -54,6 +55,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "tracesim.export": ("export", "export results as CSV or a hive-partitioned Parquet dataset"),
     "tracesim.tiers.cli": ("tiers", "simulate certificate-scheduled fetches from DRAM/NVMe "
                            "tiers"),
+    "analysis.frontier_cli": ("frontier", "coverage / certified share / error / memory frontier "
+                              "per policy and certificate variant (frontier.parquet, .md, .png)"),
 }
 
 

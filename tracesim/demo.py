@@ -95,6 +95,11 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
     from tracesim.sweep import run_sweep
     from tracesim.sweep.grid import parse_grid
 
+    if scale == "calibration":
+        from tracesim.study import run_calibration_study
+
+        return run_calibration_study(out, workers=workers, model=model,
+                                     allow_prereg_change=allow_prereg_change)
     if scale not in SCALES:
         raise ValueError(f"--scale {scale!r}: expected one of {sorted(SCALES)}")
     sc = SCALES[scale]
@@ -181,8 +186,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="example:\n  tracesim demo --out demo/\n  tracesim demo --scale full --workers "
         "8 --out demo-full/")
     p.add_argument("--out", default="demo", help="output directory (resumable)")
-    p.add_argument("--scale", default="small", choices=sorted(SCALES),
-                   help="small: minutes on 2 cores; full: the full-size study")
+    p.add_argument("--scale", default="small", choices=[*sorted(SCALES), "calibration"],
+                   help="small: minutes on 2 cores; full: the full-size study; calibration: "
+                        "the certificate calibration study (docs/calibration.md)")
     p.add_argument("--workers", type=int, default=None,
                    help="sweep worker processes (default: one per core)")
     p.add_argument("--model", default="smollm2", help="'smollm2' or a local checkpoint dir")

@@ -1,0 +1,116 @@
+"""Claim C8: on held-out sequences, rows the validity rule certifies cover within [0.93, 0.97].
+
+The rules are fitted on the pre-registered calibration split (:mod:`analysis.validity`) or read
+from a rule file (``validity_rules.json`` written by ``tracesim frontier``), which is then
+checked: a rule fitted on held-out sequences is refused with :class:`ValidityRuleError`.
+
+Test: two one-sided tests (TOST) of the pooled held-out certified coverage against the
+pre-registered interval ``[lo, hi]``, on the logit scale with the cluster-robust (by sequence)
+standard error of :func:`analysis.cluster.cluster_proportions`; ``p = max(p_lo, p_hi)``.
+Supported if ``p < alpha`` (the ``1 - 2 alpha`` interval lies inside ``[lo, hi]``); not
+supported if the ``1 - alpha`` interval lies entirely outside; inconclusive otherwise. The
+fraction of held-out rows certified is reported next to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from analysis.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimResult
+from analysis.cluster import cluster_proportions
+from analysis.validity import (
+    SplitSettings,
+    ValidityRule,
+    apply_rules,
+    check_rules,
+    fit_rules,
+    split_sequences,
+)
+
+__all__ = ["c8_rows", "evaluate_c8"]
+
+
+def c8_rows(results: pd.DataFrame, claim: dict[str, Any]) -> pd.DataFrame:
+    """The certified, deployable rows of the configurations C8 compares."""
+    df = results[results["certified"].astype(bool) & results["cert2"].notna()]
+    for key, value in claim.get("compare", {}).items():
+        if key in df:
+            df = df[df[key].isin(value if isinstance(value, list) else [value])]
+    if claim.get("deployable_only", True):
+        df = df[df["deployable"].astype(bool)] if "deployable" in df else df[
+            df["score"] != "oracle"]
+    return df
+
+
+def evaluate_c8(results: pd.DataFrame, prereg,
+                rules: dict[str, ValidityRule] | None = None
+                ) -> tuple[ClaimResult, dict[str, ValidityRule]]:
+    """Evaluate C8; returns the claim and the rules used (fitted here when ``rules`` is None).
+
+    Raises
+    ------
+    ValidityRuleError
+        When a given rule was fitted on held-out sequences (or on another split).
+    """
+    claim = prereg.claims["C8"]
+    alpha = prereg.claim_alpha("C8")
+    res = ClaimResult("C8", claim["hypothesis"])
+    settings = SplitSettings.from_claim(claim)
+    df = c8_rows(results, claim)
+    df = df[df[settings.coverage_column].notna()]
+    if df.empty:
+        res.detail = "no certified deployable rows of the compared configurations"
+        return res, {}
+    split = split_sequences(df["sequence_id"].unique(), settings.salt, settings.fraction)
+    held_ids = sorted(s for s, c in split.items() if not c)
+    notes: list[str] = []
+    if rules is None:
+        rules, notes = fit_rules(df, settings)
+    check_rules(rules, settings, held_ids)
+    held = df[df["sequence_id"].astype(str).isin(held_ids)]
+    if held.empty or not rules:
+        res.detail = (f"no held-out rows ({len(held_ids)} held-out of {len(split)} sequences) "
+                      f"or no fitted rule")
+        return res, rules
+    mask = apply_rules(held, rules)
+    frac = float(mask.mean())
+    lo, hi = (float(v) for v in claim["interval"])
+    res.extra = {"fraction_certified": frac, "heldout_sequences": len(held_ids),
+                 "calibration_sequences": len(split) - len(held_ids),
+                 "rules": {k: r.describe() for k, r in rules.items()},
+                 "rules_reaching_nominal": int(sum(r.reached for r in rules.values())),
+                 "n_rules": len(rules), "notes": notes}
+    if not mask.any():
+        res.detail = (f"the rules certify no held-out row ({len(held)} rows, "
+                      f"{len(held_ids)} sequences)")
+        return res, rules
+    y = held[settings.coverage_column].to_numpy(float)[mask]
+    seq = held["sequence_id"].astype(str).to_numpy()[mask]
+    ci = cluster_proportions(y, seq, alpha=alpha).iloc[0]
+    ci2 = cluster_proportions(y, seq, alpha=2 * alpha).iloc[0]
+    res.estimate, res.ci_low, res.ci_high = float(ci["estimate"]), float(ci["ci_low"]), float(
+        ci["ci_high"])
+    se = float(ci["se_logit"])
+    if np.isfinite(se) and se > 0:
+        b = np.log(res.estimate / (1 - res.estimate))
+        p_lo = stats.norm.sf((b - np.log(lo / (1 - lo))) / se)
+        p_hi = stats.norm.cdf((b - np.log(hi / (1 - hi))) / se)
+        res.pvalue = float(max(p_lo, p_hi))
+    inside = lo <= ci2["ci_low"] and ci2["ci_high"] <= hi
+    if inside and np.isfinite(res.pvalue) and res.pvalue < alpha:
+        res.verdict = SUPPORTED
+    elif res.ci_high < lo or res.ci_low > hi:
+        res.verdict = NOT_SUPPORTED
+    else:
+        res.verdict = INCONCLUSIVE
+    res.detail = (f"{settings.coverage_column} of the held-out rows the rules certify: "
+                  f"{int(ci['n_events'])} rows of {int(ci['n_clusters'])} held-out sequences; "
+                  f"fraction certified {frac:.3f} of {len(held)} held-out rows; "
+                  f"{res.extra['rules_reaching_nominal']}/{len(rules)} rules reached nominal "
+                  f"{settings.nominal} on the {res.extra['calibration_sequences']} calibration "
+                  f"sequences; TOST against [{lo}, {hi}]")
+    return res, rules

@@ -1,0 +1,271 @@
+"""``tracesim frontier RESULTS --out DIR``: frontier.parquet, frontier.md, frontier.png.
+
+Also writes ``DIR/validity_rules.json`` (the rules fitted on the pre-registered calibration
+split, which ``tracesim report --frontier DIR`` checks and uses for claim C8). Every file is
+written to a temporary sibling and renamed, so a reader never sees a half-written one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from analysis.frontier import (
+    AIM,
+    OPTIONAL_COLUMNS,
+    REQUIRED_COLUMNS,
+    STRATA,
+    aim_table,
+    frontier_table,
+)
+from analysis.validity import (
+    SplitSettings,
+    ValidityRule,
+    check_rules,
+    fit_rules,
+    load_rules,
+    save_rules,
+    split_sequences,
+)
+from tracesim.atomic import atomic_write_bytes
+
+__all__ = ["FILES", "load_frontier_results", "pareto_figure", "register", "render_markdown",
+           "run_frontier"]
+
+FILES = ("frontier.parquet", "frontier.md", "frontier.png", "validity_rules.json")
+_DEFAULT_PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
+_RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet")
+
+
+def load_frontier_results(path: str | Path) -> pd.DataFrame:
+    """Read only the columns the frontier needs from a sweep/replay output (or a file)."""
+    p = Path(path)
+    if p.is_dir():
+        found = [p / n for n in _RESULT_FILES if (p / n).is_file()]
+        if not found:
+            raise ValueError(f"{p}: no results file found (expected one of "
+                             f"{list(_RESULT_FILES)})")
+        p = found[0]
+    if not p.is_file():
+        raise ValueError(f"{p}: no such results file")
+    names = pq.read_schema(p).names
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
+    if missing:
+        raise ValueError(f"{p}: results lack the columns {missing}")
+    cols = [c for c in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS) if c in names]
+    schema = pq.read_schema(p)
+    strings = [c for c in cols if pa.types.is_string(schema.field(c).type)]
+    # Dictionary-encoded strings become pandas categoricals: millions of per-seed rows of a
+    # few dozen configurations stay small in memory.
+    table = pq.read_table(p, columns=cols, read_dictionary=strings)
+    df = table.to_pandas()
+    for c in strings:
+        if c not in ("sequence_id", "config_id"):
+            df[c] = df[c].astype(str)
+    return df
+
+
+def pareto_figure(table: pd.DataFrame) -> bytes:
+    """Memory vs mean err2 (left) and vs coverage (right), one line per family over budgets.
+
+    Non-deployable families (oracle) are drawn dashed with hollow markers.
+    """
+    from analysis.figures import _plt, _png
+
+    plt = _plt()
+    t = table[table["stratum_kind"] == "all"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    err = t.drop_duplicates(["family", "budget"]).sort_values("memory")
+    cmap = plt.get_cmap("tab20")
+    fams = sorted(err["family"].unique())
+    color = {f: cmap(i % 20) for i, f in enumerate(fams)}
+    for fam, g in err.groupby("family"):
+        dep = bool(g["deployable"].iloc[0])
+        axes[0].plot(g["memory"], g["err2"], ls="-" if dep else "--", marker="o",
+                     mfc=None if dep else "none", color=color[fam],
+                     label=fam + ("" if dep else " (not deployable)"))
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("memory (kept + summary tokens per KV head)")
+    axes[0].set_ylabel("mean squared error |ô - o|²")
+    axes[0].set_title("error vs memory")
+    marks = {"wald": "o", "wald_t": "^", "ruled": "s", "bound": "D", "bootstrap": "v"}
+    cov = t[t["variant"].isin(list(marks))].sort_values("memory")
+    for (fam, var), g in cov.groupby(["family", "variant"]):
+        dep = bool(g["deployable"].iloc[0])
+        axes[1].errorbar(g["memory"], g["coverage"], yerr=[g["coverage"] - g["ci_low"],
+                                                           g["ci_high"] - g["coverage"]],
+                         ls="-" if dep else "--", marker=marks[var], capsize=2,
+                         mfc=None if dep else "none", color=color[fam], alpha=0.8)
+    lo, hi = AIM["coverage"]
+    axes[1].axhspan(lo, hi, color="0.85", zorder=0, label=f"aim [{lo}, {hi}]")
+    for var, mk in marks.items():
+        if var in set(cov["variant"]):
+            axes[1].plot([], [], marker=mk, ls="", color="k", label=var)
+    axes[1].set_xlabel("memory (kept + summary tokens per KV head)")
+    axes[1].set_ylabel("coverage (cluster-robust 95% CI)")
+    axes[1].set_title("coverage vs memory")
+    axes[1].legend(fontsize=7, loc="lower right")
+    axes[0].legend(fontsize=6, loc="upper right", ncol=1)
+    return _png(fig)
+
+
+def _f(x: Any, d: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not np.isfinite(x)):
+        return "—"
+    return f"{x:.{d}g}" if isinstance(x, float) else str(x)
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def render_markdown(table: pd.DataFrame, notes: list[str],
+                    rules: dict[str, ValidityRule]) -> str:
+    """frontier.md: the overall table, the aim check, the validity rules and the strata."""
+    t = table[table["stratum_kind"] == "all"]
+    md = ["# Certificate frontier", "",
+          "Coverage with cluster-robust 95% intervals (clusters = sequences). `ruled` = primary "
+          "Wald on held-out sequences, rows the validity rule certifies. Memory = kept + "
+          "summary tokens per KV head. `err/top-k` = mean err2 over top-k's at equal memory "
+          "(same score, interpolated). Tightness = sqrt(bound2/err2), median / p90. "
+          "`*` = not deployable (reference).", ""]
+    md += [f"> {n}" for n in notes] + ([""] if notes else [])
+    rows = []
+    for r in t.itertuples(index=False):
+        rows.append([r.family + ("" if r.deployable else " *"), _f(r.budget), r.variant,
+                     "—" if pd.isna(r.coverage) else
+                     f"{r.coverage:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]",
+                     _f(r.frac_certified), str(int(r.n_sequences)), _f(r.memory, 4),
+                     _f(r.rel_err), _f(r.err2), _f(r.err_vs_topk),
+                     "—" if pd.isna(r.tightness_median)
+                     else f"{r.tightness_median:.3g} / {r.tightness_p90:.3g}"])
+    md += _md_table(["family", "budget", "variant", "coverage [95% CI]", "certified", "seqs",
+                     "memory", "rel err", "err2", "err/top-k", "tightness"], rows) + [""]
+    aim = aim_table(table)
+    md += ["## Aim at 25% budget", "",
+           f"Held-out `ruled` coverage in [{AIM['coverage'][0]}, {AIM['coverage'][1]}], "
+           f"≥ {AIM['certified']:.0%} of rows certified, err/top-k ≤ {AIM['err_vs_topk']}, "
+           "deployable.", ""]
+    if aim.empty:
+        md += ["No `ruled` rows at budget 0.25.", ""]
+    else:
+        md += _md_table(["family", "coverage [95% CI]", "certified", "err/top-k", "met"], [
+            [r.family + ("" if r.deployable else " *"),
+             f"{r.coverage:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]", _f(r.frac_certified),
+             _f(r.err_vs_topk), "yes" if r.aim_met else "no"] for r in aim.itertuples()]) + [""]
+    if rules:
+        md += ["## Validity rules (fitted on the calibration sequences)", ""]
+        md += _md_table(["config", "rule", "calib. coverage", "calib. certified", "reached"], [
+            [f"`{k}`".replace("|", "\\|"), r.describe(), _f(r.calibration_coverage),
+             _f(r.calibration_certified), "yes" if r.reached else "no"]
+            for k, r in rules.items()]) + [""]
+    for kind in STRATA:
+        s = table[(table["stratum_kind"] == kind) & table["variant"].isin(["wald", "ruled"])]
+        if s.empty:
+            continue
+        piv = s.pivot_table(index=["family", "budget", "variant"], columns="stratum",
+                            values="coverage", aggfunc="first", sort=False)
+        n = s.pivot_table(index=["family", "budget", "variant"], columns="stratum",
+                          values="n_rows", aggfunc="first", sort=False)
+        cols = list(dict.fromkeys(s["stratum"]))
+        md += [f"## Coverage by {kind}", "", "coverage (rows)", ""]
+        md += _md_table(["family", "budget", "variant", *cols], [
+            [str(i[0]), _f(i[1]), str(i[2])] + [
+                "—" if pd.isna(piv.loc[i].get(c)) else
+                f"{piv.loc[i][c]:.3f} ({int(n.loc[i][c])})" for c in cols]
+            for i in piv.index]) + [""]
+    return "\n".join(md)
+
+
+def _settings(prereg_path: str | Path) -> SplitSettings:
+    from analysis.prereg import load_prereg
+
+    return SplitSettings.from_claim(load_prereg(prereg_path).claims["C8"])
+
+
+def run_frontier(results: str | Path, out: str | Path, *,
+                 prereg_path: str | Path = _DEFAULT_PREREG, rules_path: str | Path | None = None,
+                 alpha: float = 0.05) -> tuple[pd.DataFrame, list[str]]:
+    """Compute the frontier of a results directory and write the files of :data:`FILES`."""
+    from analysis.claims_c8 import c8_rows
+    from analysis.prereg import load_prereg
+
+    df = load_frontier_results(results)
+    prereg = load_prereg(prereg_path)
+    settings = SplitSettings.from_claim(prereg.claims["C8"])
+    split = split_sequences(df["sequence_id"].unique(), settings.salt, settings.fraction)
+    held = [s for s, c in split.items() if not c]
+    notes = [f"validity rules: split salt `{settings.salt}`, calibration fraction "
+             f"{settings.fraction}: {len(split) - len(held)} calibration, {len(held)} held-out "
+             f"sequences"]
+    if rules_path is not None:
+        rules = load_rules(rules_path)
+    else:
+        cert = c8_rows(df, {**prereg.claims["C8"], "compare": {}, "deployable_only": False})
+        rules, fit_notes = fit_rules(cert, settings)
+        notes += fit_notes
+    check_rules(rules, settings, held)
+    if "n_seeds" in df and (df.get("n_seeds", pd.Series([1])) > 1).any():
+        notes.append("aggregated rows: m and n_eff are seed means; fit rules on per-seed rows")
+    table, more = frontier_table(df, rules=rules or None, salt=settings.salt,
+                                 fraction=settings.fraction, alpha=alpha)
+    notes += more
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pandas(table, preserve_index=False), buf)
+    atomic_write_bytes(out / "frontier.parquet", buf.getvalue())
+    atomic_write_bytes(out / "frontier.md", render_markdown(table, notes, rules).encode())
+    atomic_write_bytes(out / "frontier.png", pareto_figure(table))
+    save_rules(out / "validity_rules.json", rules, settings)
+    return table, notes
+
+
+def _command(args: argparse.Namespace) -> int:
+    from analysis.prereg import PreregChangedError
+    from analysis.validity import ValidityRuleError
+
+    try:
+        table, notes = run_frontier(args.results, args.out, prereg_path=args.prereg,
+                                    rules_path=args.rules, alpha=args.alpha)
+    except (ValidityRuleError, PreregChangedError, ValueError) as exc:
+        print(f"tracesim frontier: {exc}", file=sys.stderr)
+        return 2
+    for n in notes:
+        print(n)
+    t = table[table["stratum_kind"] == "all"]
+    print(f"{t['family'].nunique()} families, {len(t)} (family, budget, variant) rows; "
+          f"wrote {', '.join(FILES)} to {args.out}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``tracesim frontier``."""
+    p = subparsers.add_parser(
+        "frontier", help="coverage / certified share / error / memory frontier per policy and "
+                         "certificate variant (frontier.parquet, .md, .png)",
+        description="Per score x design x budget x certificate variant (wald, wald_t, ruled "
+                    "by the validity rule on held-out sequences, bound, bootstrap when the "
+                    "results carry them): coverage overall and by stratum with cluster-robust "
+                    "intervals, fraction certified, error relative to top-k at equal memory, "
+                    "bound tightness; fits the validity rules on the pre-registered "
+                    "calibration split.")
+    p.add_argument("results", help="sweep or replay output directory (or a results .parquet)")
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--prereg", default=str(_DEFAULT_PREREG),
+                   help="pre-registration with claim C8's split (default data/prereg.yaml)")
+    p.add_argument("--rules", default=None,
+                   help="use these fitted rules (validity_rules.json) instead of fitting; "
+                        "refused if fit on held-out sequences (default: fit)")
+    p.add_argument("--alpha", type=float, default=0.05,
+                   help="level of the cluster-robust intervals (default 0.05)")
+    p.set_defaults(func=_command)
