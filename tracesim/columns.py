@@ -46,7 +46,7 @@ COLUMN_DOCS: dict[str, str] = {
     # configuration
     "config_id": "stable id of the policy (score|design|correction|budget|schedule)",
     "score": "importance score (streaming, h2o, snapkv, tova, knorm, vnorm, keyformer, "
-             "random, full)",
+             "random, oracle, full, the kvpress ports, or a plugin's name)",
     "design": "inclusion design (topk, poisson, bernoulli, fixed; none for full)",
     "correction": "estimator correction: hajek or none",
     "budget": "budget value: a fraction of the compressible range or a token count; null "
@@ -67,6 +67,9 @@ COLUMN_DOCS: dict[str, str] = {
                    "otherwise",
     "score_params": "JSON of the score-specific hyperparameters",
     "certified": "randomized design with Hajek correction: certificates and coverage apply",
+    "summary_page": "positions per page of the summaries kept for the tokens a policy drops "
+                    "(the deterministic bound); 0 = none",
+    "deployable": "false for scores that read the evaluated queries themselves (oracle)",
     # bookkeeping
     "seed": "seed of the row (per-seed rows of randomized policies); null when aggregated "
             "over seeds or for a deterministic policy",
