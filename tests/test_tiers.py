@@ -208,7 +208,7 @@ def test_run_resumes_locks_and_cli(tmp_path, capsys):
     from tracesim.atomic import DirLock
     with DirLock(out, "test"):
         assert main(["tiers", "--spec", str(spec_path), "--out", str(out), "--quiet"]) == 2
-        assert "another test run" in capsys.readouterr().err
+        assert "another tiers run" in capsys.readouterr().err
 
 
 def test_analysis_curves_tests_and_figure(tmp_path):
