@@ -258,7 +258,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "results carry them): coverage overall and by stratum with cluster-robust "
                     "intervals, fraction certified, error relative to top-k at equal memory, "
                     "bound tightness; fits the validity rules on the pre-registered "
-                    "calibration split.")
+                    "calibration split. See docs/calibration.md.",
+        epilog="example:\n  tracesim frontier results/calibration/main --out "
+               "results/calibration/frontier-main")
     p.add_argument("results", help="sweep or replay output directory (or a results .parquet)")
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--prereg", default=str(_DEFAULT_PREREG),
