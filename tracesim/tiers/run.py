@@ -10,11 +10,10 @@ When every part exists they are concatenated into ``OUT/tiers.parquet`` and
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tracesim.atomic import DirLock, atomic_write_bytes
+from tracesim.atomic import DirLock, atomic_parquet, atomic_write_bytes
+from tracesim.columns import to_arrow
 from tracesim.policies import Policy
 from tracesim.replay import load_layer
 from tracesim.tiers.simulate import simulate_layer
@@ -81,23 +81,22 @@ def _part_ok(path: Path, spec_hash: str) -> bool:
 
 
 def _table(cols: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
-    arrays = []
-    for f in schema:
-        x = cols[f.name]
-        if pa.types.is_floating(f.type):
-            x = np.asarray(x, dtype=np.float64)
-            arrays.append(pa.array(x, type=f.type, mask=np.isnan(x)))
-        else:
-            arrays.append(pa.array(x, type=f.type))
-    return pa.Table.from_arrays(arrays, schema=schema)
+    """Columns in schema order, "not applicable" values as nulls (the shared rule)."""
+    return pa.Table.from_arrays([to_arrow(f.name, cols[f.name], f.type) for f in schema],
+                                schema=schema)
 
 
-def _parquet_bytes(table: pa.Table, meta: dict[str, str]) -> bytes:
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}),
-                                           **{k.encode(): v.encode() for k, v in meta.items()}})
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    return buf.getvalue()
+def _write_parquet(path: Path, tables: Iterable[pa.Table], schema: pa.Schema,
+                   spec_hash: str) -> int:
+    """Stream ``tables`` into one Parquet file that appears only complete (spec hash in its
+    metadata); returns the number of rows."""
+    schema = schema.with_metadata({**(schema.metadata or {}), b"spec_hash": spec_hash.encode()})
+    rows = 0
+    with atomic_parquet(path, schema, compression="zstd") as writer:
+        for t in tables:
+            writer.write_table(t.cast(schema))
+            rows += t.num_rows
+    return rows
 
 
 def compute_part(spec: TiersSpec, store: Any, sid: str, policy: Policy, path: Path) -> int:
@@ -129,10 +128,8 @@ def compute_part(spec: TiersSpec, store: Any, sid: str, policy: Policy, path: Pa
             tables.append(_table(cols, schema))
     finally:
         seq.close()
-    table = pa.concat_tables(tables)
-    # unique temp names: a retried Dask task may race a lost worker on the same part
-    atomic_write_bytes(path, _parquet_bytes(table, {"spec_hash": spec.spec_hash}), unique=True)
-    return table.num_rows
+    # unique temp names (atomic_parquet): a retried Dask task may race a lost worker on a part
+    return _write_parquet(path, tables, schema, spec.spec_hash)
 
 
 def _dask_part(raw: dict, source: str, store_path: str, sid: str, policy_json: str,
@@ -206,11 +203,10 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
         elif todo:
             _run_dask(spec, str(store.path), todo, workers, scheduler, progress)
         tier_names = tuple(t.name for t in spec.memory.lower)
-        table = pa.concat_tables([pq.read_table(f) for f in files]) if files else \
-            tiers_schema(tier_names).empty_table()
-        table = table.replace_schema_metadata({b"spec_hash": spec.spec_hash.encode()})
-        atomic_write_bytes(out / "tiers.parquet", _parquet_bytes(table, {}))
-        summary = {"spec_hash": spec.spec_hash, "rows": table.num_rows,
+        # one part in memory at a time
+        n_rows = _write_parquet(out / "tiers.parquet", (pq.read_table(f) for f in files),
+                                tiers_schema(tier_names), spec.spec_hash)
+        summary = {"spec_hash": spec.spec_hash, "rows": n_rows,
                    "sequences": len(seq_ids), "policies": [p.id for p in spec.policies],
                    "layers": layers, "seeds": len(spec.seeds),
                    "schedulers": list(spec.schedulers),
