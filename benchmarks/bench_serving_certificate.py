@@ -149,12 +149,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--keep", type=float, default=0.25, help="mean inclusion probability")
-    p.add_argument("--block", type=int, default=8192, help="keys per block of the one pass")
+    p.add_argument("--block", type=int, default=None,
+                   help="keys per block of the one pass (default: capture.onepass.BLOCK)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
+    if args.block is None:
+        from capture.onepass import BLOCK
+
+        args.block = BLOCK
     np.set_printoptions(precision=3)
     return run(args)
 
