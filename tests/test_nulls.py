@@ -81,3 +81,37 @@ def test_generic_builders_turn_nan_and_sentinels_into_nulls():
     assert t.to_pylist()[0] == {"seed": None, "answer": "", "design_kind": None, "x": None,
                                 "certificate_by_layer": None}
     assert all((f.metadata or {}).get(DESCRIPTION_KEY) is not None for f in t.schema)
+
+
+@pytest.mark.parametrize("typ", [pa.float64(), pa.float32(), pa.int64(), pa.int32(), pa.bool_(),
+                                 pa.string()])
+def test_buffer_built_arrays_equal_pa_array(typ):
+    """The pandas-free fast path of to_arrow gives exactly what pa.array gives."""
+    rng = np.random.default_rng(3)
+    n = 257
+    if pa.types.is_string(typ):
+        pool = np.array(["snapkv", "", None, "é-ü", "poisson"], dtype=object)
+        values = np.repeat(pool[rng.integers(0, pool.size, 40)], rng.integers(1, 12, 40))
+        for name in ("score", "task"):  # "" is a value in one, null in the other
+            expected = [None if v is None or (v == "" and name == "task") else v
+                        for v in values]
+            got = to_arrow(name, values, typ)
+            got.validate(full=True)
+            assert got.equals(pa.array(expected, type=typ))
+        return
+    if pa.types.is_boolean(typ):
+        values = rng.random(n) < 0.5
+        expected = pa.array(values.tolist(), type=typ)
+    elif pa.types.is_floating(typ):
+        values = rng.normal(size=n)
+        values[rng.random(n) < 0.2] = np.nan
+        expected = pa.array([None if np.isnan(v) else v for v in values], type=typ)
+    else:
+        values = rng.integers(-3, 1000, n)
+        values[rng.random(n) < 0.2] = -1
+        expected = pa.array([None if v == -1 else int(v) for v in values], type=typ)
+    got = to_arrow("seed", values, typ)
+    got.validate(full=True)
+    assert got.equals(expected)
+    with pytest.raises(pa.ArrowInvalid):
+        to_arrow("x", np.array([2**40]), pa.int32())  # out of range still refused

@@ -148,7 +148,12 @@ def to_arrow(name: str, values: Any, typ: pa.DataType | None = None) -> pa.Array
             mask = values == INT_SENTINELS[name]
         if mask is not None and not mask.any():
             mask = None
-        return pa.array(values, type=typ, mask=mask)
+        direct = _from_buffers(values, typ, mask)
+        return direct if direct is not None else pa.array(values, type=typ, mask=mask)
+    if isinstance(values, np.ndarray) and typ is not None and pa.types.is_string(typ):
+        direct = _strings_from_buffers(name, values)
+        if direct is not None:
+            return direct
     items = list(values)
     if typ is None:
         try:
@@ -160,6 +165,73 @@ def to_arrow(name: str, values: Any, typ: pa.DataType | None = None) -> pa.Array
             typ = pa.list_(pa.float64()) if pa.types.is_list(typ) else None
     clean = [None if _missing(name, v) else v for v in items]
     return pa.array(clean, type=typ)
+
+
+# Arrow arrays built straight from numpy buffers. ``pa.array`` imports pandas on its first call
+# (about a quarter of a second), which a one-layer replay from the command line would pay for
+# nothing; numeric and string columns of known type do not need it.
+_NUMERIC = {pa.float64(): np.float64, pa.float32(): np.float32, pa.int64(): np.int64,
+            pa.int32(): np.int32, pa.int16(): np.int16, pa.int8(): np.int8,
+            pa.uint64(): np.uint64, pa.uint32(): np.uint32, pa.uint8(): np.uint8}
+
+
+def _validity(mask: np.ndarray | None) -> tuple[pa.Buffer | None, int]:
+    if mask is None:
+        return None, 0
+    return pa.py_buffer(np.packbits(~mask, bitorder="little")), int(mask.sum())
+
+
+def _from_buffers(values: np.ndarray, typ: pa.DataType | None,
+                  mask: np.ndarray | None) -> pa.Array | None:
+    """A numeric or boolean Arrow array over ``values``; None where ``pa.array`` must do it."""
+    if values.ndim != 1:
+        return None
+    if typ is not None and pa.types.is_boolean(typ) or typ is None and values.dtype == bool:
+        if values.dtype != bool:
+            return None
+        data = pa.py_buffer(np.packbits(values, bitorder="little"))
+        typ = pa.bool_()
+    else:
+        np_type = _NUMERIC.get(typ) if typ is not None else None
+        if np_type is None or values.dtype.kind not in "iuf" or (
+                values.dtype.kind == "f" and np.dtype(np_type).kind != "f"):
+            return None
+        if np.dtype(np_type).kind in "iu" and values.size:
+            info = np.iinfo(np_type)  # out of range: pa.array raises, as it should
+            if values.min() < info.min or values.max() > info.max:
+                return None
+        data = pa.py_buffer(np.ascontiguousarray(values, dtype=np_type))
+    validity, nulls = _validity(mask)
+    return pa.Array.from_buffers(typ, values.size, [validity, data], null_count=nulls)
+
+
+def _strings_from_buffers(name: str, values: np.ndarray) -> pa.Array | None:
+    """A string Arrow array over an object array of str (empty and None per the null rule).
+
+    Result columns hold long runs of one value (a configuration's strings repeat over its
+    rows), so each run is encoded once.
+    """
+    n = values.size
+    if values.ndim != 1:
+        return None
+    starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]]) if n else \
+        np.zeros(0, dtype=np.int64)
+    run_values = values[starts]
+    if not all(v is None or isinstance(v, str) for v in run_values):
+        return None
+    lengths = np.diff(np.r_[starts, n])
+    missing = np.array([_missing(name, v) for v in run_values], dtype=bool)
+    encoded = [b"" if m else v.encode() for v, m in zip(run_values, missing, strict=True)]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.repeat(np.array([len(b) for b in encoded], dtype=np.int64), lengths),
+              out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        return None
+    mask = np.repeat(missing, lengths)
+    validity, nulls = _validity(mask if mask.any() else None)
+    data = b"".join(b * int(k) for b, k in zip(encoded, lengths, strict=True))
+    return pa.Array.from_buffers(pa.string(), n, [validity, pa.py_buffer(offsets.astype(np.int32)),
+                                                  pa.py_buffer(data)], null_count=nulls)
 
 
 def _missing(name: str, v: Any) -> bool:
