@@ -220,6 +220,9 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
         summary["prereg"] = {"path": str(prereg), "sha256": sha256_file(prereg)}
     if table.num_rows:
         df = table.select(["config_id", "correct", "full_correct"]).to_pandas()
+        if fetch:  # the configurations as they run without fetching (scheduler none or null)
+            sched = table.column("fetch_scheduler").to_pandas()
+            df = df[sched.isna() | (sched == "none")]
         summary["accuracy"] = {k: float(np.mean(v)) for k, v in
                                df.groupby("config_id")["correct"]}
     if fetch and table.num_rows:
@@ -238,13 +241,11 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
 def _print_summary(summary: dict[str, Any]) -> None:
     print(f"{summary['n_rows']} outcome rows ({summary['sequences_written']} sequences written, "
           f"{summary['sequences_skipped']} already done) in {summary['wall_seconds']:.1f} s")
-    if "fetch" in summary:
-        for r in summary["fetch"]["accuracy"]:
-            print(f"  accuracy {r['accuracy']:5.2f}  bytes {r['bytes_share']:6.1%}  "
-                  f"{r['fetch_scheduler']}@{r['fetch_budget']:g}  {r['config_id']}")
-        return
     for config, acc in sorted(summary.get("accuracy", {}).items()):
         print(f"  accuracy {acc:5.2f}  {config}")
+    for r in summary.get("fetch", {}).get("accuracy", []):
+        print(f"  accuracy {r['accuracy']:5.2f}  bytes {r['bytes_share']:6.1%}  "
+              f"{r['fetch_scheduler']}@{r['fetch_budget']:g}  {r['config_id']}")
 
 
 def _command(args: argparse.Namespace) -> int:

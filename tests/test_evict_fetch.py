@@ -210,8 +210,9 @@ def test_run_evict_with_fetch_writes_columns(tiny_store, tmp_path):
              FetchConfig("certificate_page", 0.25), FetchConfig("random", 1.0)]
     summary = run_evict(path, policies, seeds=1, out=tmp_path / "f", model=loaded,
                         progress=False, fetch=fetch)
-    run_evict(path, policies, seeds=1, out=tmp_path / "p", model=loaded,
-              progress=False)
+    plain = run_evict(path, policies, seeds=1, out=tmp_path / "p", model=loaded,
+                      progress=False)
+    assert summary["accuracy"] == plain["accuracy"]  # configurations without fetching
     table = pq.read_table(tmp_path / "f" / "outcomes.parquet")
     ref = pq.read_table(tmp_path / "p" / "outcomes.parquet").to_pandas()
     df = table.to_pandas()
