@@ -157,16 +157,20 @@ class DecodeResult:
     certificates: list[dict[int, tuple[np.ndarray, float]]]
     kept_tokens: np.ndarray  # (n_layers, n_kv) kept prompt tokens
     history: list[tuple[int, dict[int, LayerPlan]]] = field(default_factory=list)
+    # (step, layer, tracesim.tiers.step.StepFetch) of an in-loop fetch run
+    fetch_log: list[tuple[int, int, Any]] = field(default_factory=list)
 
 
 @torch.inference_mode()
 def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
                   max_new_tokens: int, eos_ids: set[int], policy: Policy | None = None,
-                  seed: int = 0) -> DecodeResult:
+                  seed: int = 0, fetch: Any = None) -> DecodeResult:
     """Greedy decode under ``plans`` from the prefill cache, then crop the cache back.
 
     With a decode-time ``policy`` (``schedule="decode:K"``) every layer is re-planned at each
-    event from what exists then, with the nested rule (``kept while u < min pi``).
+    event from what exists then, with the nested rule (``kept while u < min pi``). With a
+    :class:`capture.fetch.FetchConfig` (one-shot plans only) every decode step and layer also
+    fetches evicted pages by that scheduler (:class:`capture.fetch.FetchState`).
     """
     P = prefill.prompt_length
     events: set[int] = set()
@@ -186,7 +190,15 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
                 out[layer] = _plan(pi, kept, policy)
             return out
 
-    state = EvictionState(P, plans, prefill.grams, event_times=events, replan=replan)
+    if fetch is not None:
+        from capture.fetch import FetchState
+
+        if replan is not None:
+            raise ValueError("fetch: in-loop fetches need one-shot eviction (schedule: oneshot)")
+        state = FetchState(P, plans, prefill.grams, fetch=fetch, seed=seed,
+                           n_layers=len(prefill.traces))
+    else:
+        state = EvictionState(P, plans, prefill.grams, event_times=events, replan=replan)
     try:
         with recording(model, state):
             generated, logprobs = decode_greedy(model, prefill.cache, prefill.logits, P,
@@ -198,7 +210,7 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
     kept = (np.stack([plans[layer].kept[:, :P].sum(dim=1).numpy() for layer in sorted(plans)])
             if plans else np.full((1, 1), P))
     return DecodeResult(generated, logprobs, bool(generated[-1] in eos_ids), state.certificates,
-                        kept, state.history)
+                        kept, state.history, list(getattr(state, "fetch_log", [])))
 
 
 def _restore(cache: Any, length: int) -> None:

@@ -40,13 +40,16 @@ def _write_atomic(table: Any, path: Path) -> None:
 
 
 def run_key(policies: Sequence[Any], seeds: Sequence[int], *, model_id: str, store: Any,
-            max_new_tokens: int | None, layer_certificate: bool) -> str:
+            max_new_tokens: int | None, layer_certificate: bool,
+            fetch: Sequence[Any] | None = None) -> str:
     """Digest of everything that determines the outcome rows (the resume key of a run)."""
-    doc = {"policies": [p.id for p in policies], "seeds": [int(s) for s in seeds],
+    doc: dict[str, Any] = {"policies": [p.id for p in policies], "seeds": [int(s) for s in seeds],
            "model_id": model_id, "store_model": store.model.to_dict(),
            "max_new_tokens": max_new_tokens, "layer_certificate": bool(layer_certificate),
            "store_checksums": hashlib.sha256("\n".join(
                store.manifest.column("checksum").to_pylist()).encode()).hexdigest()}
+    if fetch:  # runs without fetches keep their earlier keys
+        doc["fetch"] = [{**f.row(), "memory": f.memory.to_dict()} for f in fetch]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -62,6 +65,7 @@ def run_evict(
     layer_certificate: bool = True,
     progress: bool = True,
     device: str = "cpu",
+    fetch: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
     """Run every policy and seed in the loop over a store's sequences; return the summary.
 
@@ -83,6 +87,11 @@ def run_evict(
         Default: the full-cache run's number of generated tokens.
     layer_certificate : bool
         Also compute the per-layer output-space certificate at every decode step.
+    fetch : sequence of capture.fetch.FetchConfig, optional
+        In-loop fetch configurations (scheduler, byte budget, memory model): every evicting
+        policy and seed runs once per configuration, fetching evicted pages at every decode
+        step and layer (docs/tiers.md, "In the loop"); policies that evict nothing run once,
+        with null fetch columns. Needs one-shot policies.
     """
     from capture.models import LoadedModel, load_model, model_info
     from tracesim.atomic import DirLock, atomic_write_text, remove_stale_tmp
@@ -108,6 +117,9 @@ def run_evict(
     if not seed_list:
         raise ValueError("seeds: expected at least one seed")
     policies = list(policies)
+    fetch = list(fetch) if fetch else None
+    if fetch:
+        _check_fetch(policies, fetch)
     ids = list(store.sequence_ids) if sequences is None else list(sequences)
     missing = [s for s in ids if s not in store]
     if missing:
@@ -116,22 +128,35 @@ def run_evict(
     lock = DirLock(out, "evict")
     try:
         key = run_key(policies, seed_list, model_id=loaded.model_id, store=store,
-                      max_new_tokens=max_new_tokens, layer_certificate=layer_certificate)
+                      max_new_tokens=max_new_tokens, layer_certificate=layer_certificate,
+                      fetch=fetch)
         parts = out / "parts" / key
         parts.mkdir(parents=True, exist_ok=True)
         # The lock is held: temporary files here belong to killed runs on this directory.
         remove_stale_tmp(out)
         remove_stale_tmp(out / "parts", recursive=True)
         summary = _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
-                              key, max_new_tokens, layer_certificate, progress)
+                              key, max_new_tokens, layer_certificate, progress, fetch)
         atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
         return summary
     finally:
         lock.release()
 
 
+def _check_fetch(policies: Sequence[Any], fetch: Sequence[Any]) -> None:
+    """In-loop fetches need one-shot policies; certificate schedulers certified ones."""
+    for p in policies:
+        if p.score.evicts and p.schedule.kind != "oneshot":
+            raise ValueError(f"--fetch: policy {p.id} uses schedule {p.schedule.kind}; in-loop "
+                             "fetches are modelled for one-shot eviction only")
+        cert = sorted({f.scheduler for f in fetch if f.scheduler.startswith("certificate")})
+        if cert and p.score.evicts and not p.certified:
+            raise ValueError(f"--fetch {','.join(cert)}: needs certified base policies "
+                             f"(randomized design with the Hajek correction); {p.id} is not")
+
+
 def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts, key,
-                max_new_tokens, layer_certificate, progress) -> dict[str, Any]:
+                max_new_tokens, layer_certificate, progress, fetch=None) -> dict[str, Any]:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -142,7 +167,8 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
     from tracesim.columns import describe_table, nullify_rows
 
     eos = set(eos_token_ids(loaded))
-    runs = [(p, s) for p in policies for s in (seed_list if p.needs_seeds else [-1])]
+    runs = [(p, s, f) for p in policies for s in (seed_list if p.needs_seeds else [-1])
+            for f in (fetch if fetch and p.score.evicts else [None])]
     start = time.time()
     done = skipped = 0
     bar = tqdm(total=len(ids) * len(runs), desc="evict", unit="run", disable=not progress)
@@ -161,11 +187,16 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
                                scaling=store.model.scaling, layer_certificate=layer_certificate)
         budget = max_new_tokens or len(meta["generated_ids"])
         rows = []
-        for policy, seed in runs:
+        for policy, seed, fc in runs:
             plans = layer_plans(pre.traces, policy, max(seed, 0))
             t0 = time.perf_counter()
-            res = decode_policy(loaded.model, pre, plans, budget, eos, policy, max(seed, 0))
+            res = decode_policy(loaded.model, pre, plans, budget, eos, policy, max(seed, 0),
+                                fetch=fc)
             row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers)
+            if fetch:
+                from capture.fetch import fetch_columns
+
+                row.update(fetch_columns(fc, res.fetch_log))
             row["decode_seconds"] = time.perf_counter() - t0
             rows.append(row)
             bar.update(1)
@@ -189,8 +220,21 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
         summary["prereg"] = {"path": str(prereg), "sha256": sha256_file(prereg)}
     if table.num_rows:
         df = table.select(["config_id", "correct", "full_correct"]).to_pandas()
+        if fetch:  # the configurations as they run without fetching (scheduler none or null)
+            sched = table.column("fetch_scheduler").to_pandas()
+            df = df[sched.isna() | (sched == "none")]
         summary["accuracy"] = {k: float(np.mean(v)) for k, v in
                                df.groupby("config_id")["correct"]}
+    if fetch and table.num_rows:
+        df = table.select(["config_id", "fetch_scheduler", "fetch_budget", "correct",
+                           "fetch_bytes_share"]).to_pandas()
+        summary["fetch"] = {"configs": [{**f.row()} for f in fetch],
+                            "memory": fetch[0].memory.to_dict(), "accuracy": [
+            {"config_id": c, "fetch_scheduler": s, "fetch_budget": b,
+             "accuracy": float(g.correct.mean()), "n": int(len(g)),
+             "bytes_share": float(g.fetch_bytes_share.mean())}
+            for (c, s, b), g in df.dropna(subset=["fetch_scheduler"]).groupby(
+                ["config_id", "fetch_scheduler", "fetch_budget"])]}
     return summary
 
 
@@ -199,6 +243,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
           f"{summary['sequences_skipped']} already done) in {summary['wall_seconds']:.1f} s")
     for config, acc in sorted(summary.get("accuracy", {}).items()):
         print(f"  accuracy {acc:5.2f}  {config}")
+    for r in summary.get("fetch", {}).get("accuracy", []):
+        print(f"  accuracy {r['accuracy']:5.2f}  bytes {r['bytes_share']:6.1%}  "
+              f"{r['fetch_scheduler']}@{r['fetch_budget']:g}  {r['config_id']}")
 
 
 def _command(args: argparse.Namespace) -> int:
@@ -222,11 +269,61 @@ def _command(args: argparse.Namespace) -> int:
     policies = parse_grid(grid, where=f"{args.grid}: grid")
     seeds = args.seeds if args.seeds is not None else doc.get("seeds", 4)
     check_int(seeds, f"{args.grid}: seeds" if args.seeds is None else "--seeds", 1, 100_000)
+    fetch = _fetch_configs(args)
+    if fetch:
+        _check_fetch(policies, fetch)
     summary = run_evict(args.traces, policies, seeds=seeds, out=args.out, model=args.model,
                         max_new_tokens=args.max_new_tokens, device=args.device,
-                        layer_certificate=not args.no_layer_certificate)
+                        layer_certificate=not args.no_layer_certificate, fetch=fetch)
     _print_summary(summary)
     return 0
+
+
+def _fetch_configs(args: argparse.Namespace) -> list[Any] | None:
+    """The fetch configurations of ``--fetch``, ``--fetch-budget`` and ``--tiers-spec``."""
+    from tracesim.errors import UsageError
+
+    if args.fetch is None:
+        for opt, val in (("--fetch-budget", args.fetch_budget), ("--tiers-spec",
+                                                                  args.tiers_spec)):
+            if val is not None:
+                raise UsageError(f"{opt}: only applies with --fetch SCHEDULERS")
+        return None
+    import yaml
+
+    from capture.fetch import FetchConfig
+    from tracesim.tiers.model import MemoryModel, TierError, load_memory_model
+
+    scheds = [s.strip() for s in args.fetch.split(",") if s.strip()]
+    if not scheds:
+        raise UsageError("--fetch: expected comma-separated schedulers, e.g. "
+                         "none,random,certificate_page")
+    raw = args.fetch_budget if args.fetch_budget is not None else "0.1"
+    budgets = []
+    for item in raw.split(","):
+        try:
+            budgets.append(float(item))
+        except ValueError:
+            raise UsageError(f"--fetch-budget {raw!r}: {item!r} is not a number; expected "
+                             "comma-separated fractions in [0, 1]") from None
+    if args.tiers_spec is None:
+        memory = MemoryModel()
+    else:
+        try:
+            memory = load_memory_model(args.tiers_spec)
+        except TierError as exc:
+            raise UsageError(f"--tiers-spec {exc}") from None
+        except OSError as exc:
+            raise UsageError(f"--tiers-spec {args.tiers_spec}: cannot read it "
+                             f"({exc.strerror or exc})") from None
+        except (UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise UsageError(f"--tiers-spec {args.tiers_spec}: not a UTF-8 YAML file "
+                             f"({str(exc)[:200]})") from None
+    configs = []
+    for s in dict.fromkeys(scheds):
+        for b in ([0.0] if s == "none" else dict.fromkeys(budgets)):
+            configs.append(FetchConfig(s, b, memory))
+    return configs
 
 
 def register(subparsers: Any) -> None:
@@ -255,4 +352,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--no-layer-certificate", action="store_true",
                    help="skip the per-layer output-space certificate (cheaper decode steps)")
+    p.add_argument("--fetch", default=None, metavar="SCHEDULERS",
+                   help="comma-separated fetch schedulers enforced in the loop at every decode "
+                   "step and layer: none, random, certificate, certificate_page, bound, oracle "
+                   "(default: no fetching; one-shot policies only; docs/tiers.md)")
+    p.add_argument("--fetch-budget", default=None, metavar="FRACTIONS",
+                   help="comma-separated byte budgets per decode step and layer, fractions in "
+                   "[0, 1] of the layer's evicted bytes (default: 0.1; with --fetch)")
+    p.add_argument("--tiers-spec", default=None, metavar="YAML",
+                   help="tiers spec whose 'memory' section (page, bytes_per_element, tiers) "
+                   "the fetches use (default: the documented defaults; with --fetch)")
     p.set_defaults(func=_command)

@@ -104,6 +104,24 @@ COLUMN_DOCS: dict[str, str] = {
     "memory_tokens": "kept prompt tokens summed over layers and KV heads",
     "full_memory_tokens": "prompt tokens summed over layers and KV heads (full cache)",
     "decode_seconds": "wall time of the decode (s)",
+    # evict outcomes with in-loop fetches (tracesim evict --fetch); null without fetching
+    "fetch_scheduler": "fetch scheduler enforced in the loop (none, random, certificate, "
+                       "certificate_page, bound, oracle); null without fetching or for a "
+                       "policy that evicts nothing",
+    "fetch_budget": "byte budget per decode step and layer, fraction of the layer's evicted "
+                    "bytes (1 = every evicted page); null without fetching",
+    "fetch_page": "positions per fetched page (per KV head); null without fetching",
+    "fetch_bytes": "bytes fetched, summed over decode steps, layers and KV heads; null "
+                   "without fetching",
+    "fetch_pages": "pages fetched, summed over decode steps, layers and KV heads; null "
+                   "without fetching",
+    "fetch_evicted_bytes": "bytes of every evicted page, summed over decode steps and layers "
+                           "(what refetching everything would move); null without fetching",
+    "fetch_bytes_share": "fetch_bytes / fetch_evicted_bytes; null without fetching",
+    "fetch_ms": "modelled fetch time, summed over decode steps and layers (ms); null without "
+                "fetching",
+    "fetch_stall_ms": "modelled stall, summed over decode steps and layers (ms; the fetch time "
+                      "less overlapped compute); null without fetching",
 }
 
 

@@ -1,0 +1,192 @@
+"""In-loop fetches: enforcing a tiers scheduler's page fetches inside the model.
+
+:class:`FetchState` is an :class:`~capture.enforce.EvictionState` that, at every decode step and
+layer, decides which evicted pages to bring back and then computes the step's attention with
+them. The decision uses what a server has at that step — the step's query, the retained cache,
+the sampled tail's certificate terms and the page summaries of the evicted tokens — through the
+offline simulator's rules (:mod:`tracesim.tiers.step`): pages in priority order, whole, until the
+byte budget (a fraction of the layer's evicted bytes) is spent. A fetched page's tokens all get
+bias 0 for that step (the evicted ones return, the sampled ones lose their ``-log pi`` offset and
+leave the certificate's tail); the next step starts again from the base eviction.
+
+A step that fetches nothing runs exactly the plain eviction path (so a budget of 0, or the
+``none`` scheduler, reproduces ``tracesim evict`` bit for bit); a step that fetches runs the
+one-pass attention (:func:`capture.onepass.onepass_attention`) with the modified bias, and
+certificates (when the base policy has them) from the modified tail weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from capture.enforce import EvictionState, LayerPlan
+from capture.onepass import onepass_attention
+from tracesim.tiers.model import MemoryModel
+from tracesim.tiers.step import (
+    INLOOP_SCHEDULERS,
+    LayerPages,
+    StepFetch,
+    layer_memory,
+    layer_pages,
+    step_fetch,
+)
+
+__all__ = ["FetchConfig", "FetchState", "fetch_columns"]
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """One fetch configuration of an in-loop run.
+
+    Parameters
+    ----------
+    scheduler : str
+        One of :data:`tracesim.tiers.step.INLOOP_SCHEDULERS`.
+    budget : float
+        Bytes fetched per (decode step, layer), as a fraction in [0, 1] of the layer's evicted
+        bytes; 1 fetches every evicted page.
+    memory : MemoryModel
+        Page size, bytes per element and tiers (``tiers.yaml``'s ``memory``).
+    """
+
+    scheduler: str
+    budget: float
+    memory: MemoryModel = MemoryModel()
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in INLOOP_SCHEDULERS:
+            raise ValueError(f"--fetch: unknown scheduler {self.scheduler!r}; expected some of "
+                             f"{list(INLOOP_SCHEDULERS)}"
+                             + (" (confidence is offline only: its per-step budgets are "
+                                "normalised over the whole sequence's log-probs)"
+                                if self.scheduler == "confidence" else ""))
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
+            raise ValueError(f"--fetch-budget {b!r}: expected fractions in [0, 1] of the "
+                             "layer's evicted bytes")
+
+    def row(self) -> dict[str, Any]:
+        return {"fetch_scheduler": self.scheduler, "fetch_budget": float(self.budget),
+                "fetch_page": int(self.memory.page)}
+
+
+class FetchState(EvictionState):
+    """:class:`EvictionState` that enforces a fetch scheduler at every decode step.
+
+    Parameters
+    ----------
+    prompt_length, plans, grams
+        As for :class:`EvictionState` (one-shot plans only).
+    fetch : FetchConfig
+    seed : int
+        Seed of the base policy (keys the ``random`` scheduler's permanent uniforms).
+    n_layers : int
+        Layers of the model (each gets a 1 / n_layers share of every tier's capacity).
+
+    Attributes
+    ----------
+    fetch_log : list of (step, layer, StepFetch)
+        One entry per decode step and layer with an evicting plan; ``step`` counts decode
+        steps from 0 (query position ``prompt_length + step``).
+    """
+
+    def __init__(self, prompt_length: int, plans: dict[int, LayerPlan],
+                 grams: dict[int, torch.Tensor] | None, *, fetch: FetchConfig, seed: int,
+                 n_layers: int) -> None:
+        super().__init__(prompt_length, plans, grams)
+        self.fetch = fetch
+        self.seed = int(seed)
+        self.memory = layer_memory(fetch.memory, n_layers)
+        self.fetch_log: list[tuple[int, int, StepFetch]] = []
+        self._pages: dict[int, tuple[LayerPlan, LayerPages, np.ndarray, np.ndarray]] = {}
+
+    def _layer_pages(self, layer: int, plan: LayerPlan, key: torch.Tensor,
+                     value: torch.Tensor) -> tuple[LayerPages, np.ndarray, np.ndarray]:
+        cached = self._pages.get(layer)
+        if cached is not None and cached[0] is plan:
+            return cached[1:]
+        P = plan.kept.shape[1]
+        kept = plan.kept.numpy().astype(bool)
+        pages = layer_pages(key[:, :P].double().cpu().numpy(),
+                            value[:, :P].double().cpu().numpy(), kept, self.memory)
+        self._pages[layer] = (plan, pages, plan.pi.numpy().astype(np.float64), kept)
+        return pages, self._pages[layer][2], kept
+
+    def attend(self, layer, query, key, value, scaling):
+        plan = self.plans.get(layer)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if plan is None or not plan.evicts or q_len != 1 or kv_len <= self.prompt_length:
+            return super().attend(layer, query, key, value, scaling)
+        pages, pi0, kept0 = self._layer_pages(layer, plan, key[0], value[0])
+        P, n_kv = kept0.shape[1], kept0.shape[0]
+        extra = kv_len - P
+        pi = np.concatenate([pi0, np.ones((n_kv, extra))], axis=1)
+        kept = np.concatenate([kept0, np.ones((n_kv, extra), dtype=bool)], axis=1)
+        step = kv_len - 1 - self.prompt_length
+        f = step_fetch(pages, self.memory, self.fetch.scheduler, float(self.fetch.budget),
+                       query[0, :, 0].double().cpu().numpy(), key[0].double().cpu().numpy(),
+                       value[0].double().cpu().numpy(), pi, kept, float(scaling),
+                       hajek=plan.hajek, certified=plan.certified, seed=self.seed, layer=layer,
+                       step=step)
+        self.fetch_log.append((step, layer, f))
+        if f.pages_fetched == 0:
+            return super().attend(layer, query, key, value, scaling)
+        return self._attend_fetched(layer, plan, f, query, key, value, scaling)
+
+    def _attend_fetched(self, layer, plan, f: StepFetch, query, key, value, scaling):
+        x = self._plan_inputs(layer, plan, value[0])
+        dev = key.device
+        P = plan.bias.shape[1]
+        page = self.memory.page
+        open_ = torch.zeros(plan.bias.shape, dtype=torch.bool)
+        for g, ids in enumerate(f.pages):
+            for b in ids.tolist():
+                open_[g, b * page:min(P, (b + 1) * page)] = True
+        open_ = open_.to(dev)
+        bias = torch.where(open_, torch.zeros_like(x["bias"]), x["bias"])
+        pad = (0, key.shape[2] - P)
+        weight = None
+        if plan.certified:
+            weight = torch.nn.functional.pad(
+                torch.where(open_, torch.zeros_like(x["weight"]), x["weight"]), pad)
+        quad = x.get("quad") if plan.certified else None
+        with torch.no_grad():
+            out, cert, layer_cert = onepass_attention(
+                query[0, :, 0], key[0], value[0], torch.nn.functional.pad(bias, pad),
+                weight, float(scaling),
+                value_sq=torch.nn.functional.pad(x["value_sq"], pad),
+                gram=x.get("gram") if plan.certified else None,
+                quad=None if quad is None else torch.nn.functional.pad(quad, pad),
+                fixed_size=plan.fixed_size)
+        if plan.certified:
+            self._step_certs[layer] = (cert.double().cpu().numpy(),
+                                       float("nan") if layer_cert is None else float(layer_cert))
+        return out.to(query.dtype)[None, None]
+
+
+def fetch_columns(fetch: FetchConfig | None, log: list[tuple[int, int, StepFetch]]
+                  ) -> dict[str, Any]:
+    """Outcome columns of a run's fetches, summed over its decode steps and layers.
+
+    All null (None) without a fetch configuration (a policy that evicts nothing).
+    """
+    keys = ("fetch_scheduler", "fetch_budget", "fetch_page", "fetch_bytes", "fetch_pages",
+            "fetch_evicted_bytes", "fetch_bytes_share", "fetch_ms", "fetch_stall_ms")
+    if fetch is None:
+        return dict.fromkeys(keys)
+    moved = float(sum(f.bytes_moved for _, _, f in log))
+    evicted = float(sum(f.evicted_bytes for _, _, f in log))
+    return {
+        **fetch.row(),
+        "fetch_bytes": moved,
+        "fetch_pages": float(sum(f.pages_fetched for _, _, f in log)),
+        "fetch_evicted_bytes": evicted,
+        "fetch_bytes_share": moved / evicted if evicted > 0 else math.nan,
+        "fetch_ms": float(sum(f.fetch_s for _, _, f in log)) * 1e3,
+        "fetch_stall_ms": float(sum(f.stall_s for _, _, f in log)) * 1e3,
+    }
