@@ -246,6 +246,7 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
     key = np.empty(nc)
     cum = np.empty(nc)
     nsel = np.empty(NB, np.int64)
+    border = np.empty(NB, np.int64)
     accn = np.empty((n_kv, G, d))
     accd = np.empty((n_kv, G))
     cnt = np.empty(n_kv, np.int64)
@@ -288,7 +289,16 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
                 w = conf_w[a] if code == S_CONFIDENCE else 1.0
                 B = min(total, f * total * w)
             nsel[bi] = _n_le(cum, n_order, B * (1 + 1e-12))
-        border = np.argsort(nsel, kind="mergesort")
+        # budgets by the pages they fetch (a stable insertion sort: a handful of budgets)
+        for bi in range(NB):
+            border[bi] = bi
+        for bi in range(1, NB):
+            x = border[bi]
+            j = bi
+            while j > 0 and nsel[border[j - 1]] > nsel[x]:
+                border[j] = border[j - 1]
+                j -= 1
+            border[j] = x
         accn[:] = 0.0
         accd[:] = 0.0
         cnt[:] = 0
@@ -341,7 +351,9 @@ def _layer_parallel(K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_o
                     tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
                     cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok):
     for a in nb.prange(qpos.size):
-        tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
+        # an int64 step index, so the serial and parallel kernels share one compiled step
+        step = np.int64(a)
+        tiers_step(step, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
                    pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
                    tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
                    cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok)
