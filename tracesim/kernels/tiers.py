@@ -64,6 +64,43 @@ def _n_le(arr, n, x):
 
 
 @nb.njit(cache=True)
+def _value_pass(e_g, Vg, n, kept_g, pi_g, hajek, page, slot_g, p0, acc, accd, pd):
+    """One pass over the values of positions ``< n``; returns the number of kept tokens.
+
+    ``acc[c, h] += e[i, h] v_i`` and ``accd[c, h] += e[i, h]`` over the tokens of class ``c``:
+    0 kept with ``pi = 1``, 1 kept with ``pi < 1`` (sampled), 2 evicted; with ``hajek``,
+    ``acc[3]``, ``accd[3]`` add the sampled tokens with weight ``e / pi``. ``pd[p0 + slot, h]``
+    adds each evicted token's ``e`` to its page. Every other sum is a combination of these.
+    """
+    G, d = e_g.shape[1], Vg.shape[1]
+    m = 0
+    for i in range(n):
+        if kept_g[i]:
+            m += 1
+            c = 0
+            if pi_g[i] < 1.0:
+                c = 1
+                if hajek:
+                    inv = 1.0 / pi_g[i]
+                    for h in range(G):
+                        w = e_g[i, h] * inv
+                        accd[3, h] += w
+                        for k in range(d):
+                            acc[3, h, k] += w * Vg[i, k]
+        else:
+            c = 2
+            p = p0 + slot_g[i // page]
+            for h in range(G):
+                pd[p, h] += e_g[i, h]
+        for h in range(G):
+            ev = e_g[i, h]
+            accd[c, h] += ev
+            for k in range(d):
+                acc[c, h, k] += ev * Vg[i, k]
+    return m
+
+
+@nb.njit(cache=True)
 def _add_page(Vg, e_g, kept_g, pi_g, hajek, start, stop, accn, accd):
     """Add one fetched page's value sums: its evicted tokens with weight 1, and (Hájek) its
     sampled kept tokens with ``1 - 1/pi`` (they lose their ``1/pi`` weight)."""
@@ -115,6 +152,8 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
     smax = np.empty(G)
     rnum = np.empty((G, d))
     er = np.empty(G)
+    acc = np.empty((4, G, d))
+    accd = np.empty((4, G))
     ohat = np.empty((G, d))
     c2h = np.empty(G)
     ktok = 0
@@ -134,33 +173,20 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
         for i in range(n):
             for h in range(G):
                 e_g[i, h] = np.exp(e_g[i, h] - smax[h])
-        rnum[:] = 0.0
-        er[:] = 0.0
         Vg = V[g]
-        for i in range(n):
-            km = kept[g, i]
-            inv = 1.0
-            slot = -1
-            if km:
-                ktok += 1
-                if hajek:
-                    inv = 1.0 / pi[g, i]
-            else:
-                slot = p0 + block_slot[g, i // page]
-            for h in range(G):
-                ev = e_g[i, h]
-                etot[g, h] += ev
-                for k in range(d):
-                    o[g, h, k] += ev * Vg[i, k]
-                if km:
-                    w = ev * inv
-                    bden[g, h] += w
-                    er[h] += ev
-                    for k in range(d):
-                        bnum[g, h, k] += w * Vg[i, k]
-                        rnum[h, k] += ev * Vg[i, k]
-                else:
-                    pd[slot, h] += ev
+        acc[:] = 0.0
+        accd[:] = 0.0
+        ktok += _value_pass(e_g, Vg, n, kept[g], pi[g], hajek, page, block_slot[g], p0, acc,
+                            accd, pd)
+        wb = 3 if hajek else 1                # the sampled tokens' class in the estimate
+        for h in range(G):
+            etot[g, h] = accd[0, h] + accd[1, h] + accd[2, h]
+            er[h] = accd[0, h] + accd[1, h]
+            bden[g, h] = accd[0, h] + accd[wb, h]
+            for k in range(d):
+                o[g, h, k] = acc[0, h, k] + acc[1, h, k] + acc[2, h, k]
+                rnum[h, k] = acc[0, h, k] + acc[1, h, k]
+                bnum[g, h, k] = acc[0, h, k] + acc[wb, h, k]
         for h in range(G):
             err = 0.0
             for k in range(d):
