@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracesim.bounds.pages import build_page_summaries
+from tracesim.kernels.bounds import build_pages
 from tracesim.kernels.tiers import tiers_layer
 from tracesim.policies import LayerTrace, Policy
 from tracesim.prn import permanent_uniforms
@@ -91,22 +91,26 @@ def layer_memory_model(memory: MemoryModel, n_layers: int) -> MemoryModel:
 def _pages(trace: LayerTrace, kept: np.ndarray, page: int, token_bytes: int,
            layer_memory: MemoryModel) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The evicted pages of every KV head (as :func:`tracesim.kernels.tiers.tiers_layer` takes
-    them) and the block -> page map."""
-    n_kv, N, _ = trace.keys.shape
-    summ = [build_page_summaries(trace.keys[g], trace.values[g], ~kept[g], page)
-            for g in range(n_kv)]
-    off = np.cumsum([0] + [s.n_pages for s in summ]).astype(np.int64)
-    block_slot = np.full((n_kv, -(-N // page)), -1, dtype=np.int64)
-    for g, s in enumerate(summ):
-        block_slot[g, s.first // page] = np.arange(s.n_pages)
-    count = np.concatenate([s.count for s in summ]).astype(np.int64)
-    nbytes = count.astype(np.float64) * token_bytes
-    pages = {"off": off, "first": np.concatenate([s.first for s in summ]).astype(np.int64),
-             "count": count,
-             "kmin": np.ascontiguousarray(np.concatenate([s.kmin for s in summ])),
-             "kmax": np.ascontiguousarray(np.concatenate([s.kmax for s in summ])),
-             "vcen": np.ascontiguousarray(np.concatenate([s.vcen for s in summ])),
-             "vrad": np.concatenate([s.vrad for s in summ]), "bytes": nbytes,
+    them) and the block -> page map; the summaries are those of
+    :func:`tracesim.bounds.pages.build_page_summaries`, computed by the bound kernel."""
+    n_kv, N, d = trace.keys.shape
+    nb_max = -(-N // page)
+    kmin, kmax, vcen = (np.empty((n_kv, nb_max, d)) for _ in range(3))
+    vrad = np.empty((n_kv, nb_max))
+    count, first, last = (np.empty((n_kv, nb_max), dtype=np.int64) for _ in range(3))
+    sizes = [build_pages(trace.keys[g], trace.values[g], kept[g], N - 1, page, kmin[g], kmax[g],
+                         vcen[g], vrad[g], count[g], first[g], last[g]) for g in range(n_kv)]
+    off = np.cumsum([0] + sizes).astype(np.int64)
+    block_slot = np.full((n_kv, nb_max), -1, dtype=np.int64)
+    for g, m in enumerate(sizes):
+        block_slot[g, first[g, :m] // page] = np.arange(m)
+
+    def cat(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate([x[g, :m] for g, m in enumerate(sizes)]))
+
+    nbytes = cat(count).astype(np.float64) * token_bytes
+    pages = {"off": off, "first": cat(first), "count": cat(count), "kmin": cat(kmin),
+             "kmax": cat(kmax), "vcen": cat(vcen), "vrad": cat(vrad), "bytes": nbytes,
              "tier": layer_memory.placement(nbytes)}
     return pages, block_slot
 
