@@ -17,7 +17,9 @@ step's byte budget is spent. All but ``oracle`` use only what a server has at th
   base policy.
 * ``bound``: the page's term of the deterministic bound, summed over the group's query heads,
   ``n_p exp(u_p) (|c_p - o_R| + r_p) / E_R``.
-* ``oracle`` (not deployable): the page's true attention mass, summed over the group's heads.
+* ``oracle`` (not deployable): the softmax mass the page adds when fetched, summed over the
+  group's heads: its evicted tokens' true attention mass less ``(1/pi - 1)`` times the mass of
+  its sampled tokens, whose Hájek weight already stood in for the page.
 
 ``u_p`` is the page's logit upper bound from its key summaries (``tracesim.bounds.pages``),
 ``c_p``, ``r_p`` its value centroid and radius, ``o_R`` and ``E_R`` the kept tokens' softmax

@@ -14,20 +14,28 @@ Per (head, step, scheduler, budget) the simulator reports the squared error befo
 fetches, the bytes moved (the KV head's fetched bytes, and the row's share of them), the pages
 fetched, and the modelled fetch time and stall of the layer at that step
 (:class:`tracesim.tiers.model.MemoryModel`). Seeds of a randomized base policy are averaged.
+
+:func:`simulate_layer` runs the compiled kernel :mod:`tracesim.kernels.tiers` (decode steps in
+parallel; identical results for any number of threads);
+:func:`tracesim.tiers.reference.simulate_layer_reference` is the plain-numpy reference it is
+tested against.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tracesim.bounds.pages import build_page_summaries, logit_upper_bounds
+from tracesim.kernels.bounds import build_pages
+from tracesim.kernels.tiers import tiers_layer
 from tracesim.policies import LayerTrace, Policy
+from tracesim.prn import permanent_uniforms
 from tracesim.replay.engine import evaluated_queries
 from tracesim.replay.kept import event_inclusion
 from tracesim.tiers.model import MemoryModel
-from tracesim.tiers.schedulers import SCHEDULERS, confidence_weights, random_priority
+from tracesim.tiers.schedulers import SCHEDULERS, STREAM_FETCH, confidence_weights
 
-__all__ = ["step_logprobs", "simulate_layer"]
+__all__ = ["check_inputs", "layer_memory_model", "simulate_layer", "step_logprobs",
+           "to_columns"]
 
 
 def step_logprobs(trace: LayerTrace, positions: np.ndarray) -> np.ndarray:
@@ -45,22 +53,9 @@ def step_logprobs(trace: LayerTrace, positions: np.ndarray) -> np.ndarray:
     return out
 
 
-class _HeadPages:
-    """The evicted pages of one KV head: summaries, positions and page boundaries."""
-
-    def __init__(self, trace: LayerTrace, g: int, missing: np.ndarray, page: int,
-                 token_bytes: int) -> None:
-        self.summ = build_page_summaries(trace.keys[g], trace.values[g], missing, page)
-        self.pos = np.flatnonzero(missing)
-        pid = self.pos // page
-        self.starts = np.flatnonzero(np.r_[True, pid[1:] != pid[:-1]]) if self.pos.size \
-            else np.zeros(0, dtype=np.int64)
-        self.page_id = self.summ.first // page
-        self.bytes = self.summ.count.astype(np.float64) * token_bytes
-
-
-def _check(trace: LayerTrace, policy: Policy, schedulers: tuple[str, ...],
-           budgets: np.ndarray) -> None:
+def check_inputs(trace: LayerTrace, policy: Policy, schedulers: tuple[str, ...],
+                 budgets: np.ndarray) -> None:
+    """Raise ``ValueError`` naming the field for anything the simulator cannot run."""
     bad = [s for s in schedulers if s not in SCHEDULERS]
     if bad:
         raise ValueError(f"schedulers: unknown {bad}; expected some of {list(SCHEDULERS)}")
@@ -81,6 +76,57 @@ def _check(trace: LayerTrace, policy: Policy, schedulers: tuple[str, ...],
     if not any(r == "decode" for r in trace.query_roles):
         raise ValueError(f"sequence {trace.sequence_id!r} stores no decode query: tiers "
                          "simulates decode steps")
+
+
+def layer_memory_model(memory: MemoryModel, n_layers: int) -> MemoryModel:
+    """The memory model of one layer: an equal share (1 / n_layers) of every tier's capacity."""
+    share = 1.0 / max(1, n_layers)
+    return MemoryModel(
+        hbm_bandwidth_gbps=memory.hbm_bandwidth_gbps, page=memory.page,
+        bytes_per_element=memory.bytes_per_element, overlap=memory.overlap,
+        lower=tuple(type(t)(t.name, t.bandwidth_gbps, t.latency_us, t.capacity_gb * share,
+                            t.queue_depth) for t in memory.lower))
+
+
+def _pages(trace: LayerTrace, kept: np.ndarray, page: int, token_bytes: int,
+           layer_memory: MemoryModel) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The evicted pages of every KV head (as :func:`tracesim.kernels.tiers.tiers_layer` takes
+    them) and the block -> page map; the summaries are those of
+    :func:`tracesim.bounds.pages.build_page_summaries`, computed by the bound kernel."""
+    n_kv, N, d = trace.keys.shape
+    nb_max = -(-N // page)
+    kmin, kmax, vcen = (np.empty((n_kv, nb_max, d)) for _ in range(3))
+    vrad = np.empty((n_kv, nb_max))
+    count, first, last = (np.empty((n_kv, nb_max), dtype=np.int64) for _ in range(3))
+    sizes = [build_pages(trace.keys[g], trace.values[g], kept[g], N - 1, page, kmin[g], kmax[g],
+                         vcen[g], vrad[g], count[g], first[g], last[g]) for g in range(n_kv)]
+    off = np.cumsum([0] + sizes).astype(np.int64)
+    block_slot = np.full((n_kv, nb_max), -1, dtype=np.int64)
+    for g, m in enumerate(sizes):
+        block_slot[g, first[g, :m] // page] = np.arange(m)
+
+    def cat(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate([x[g, :m] for g, m in enumerate(sizes)]))
+
+    nbytes = cat(count).astype(np.float64) * token_bytes
+    pages = {"off": off, "first": cat(first), "count": cat(count), "kmin": cat(kmin),
+             "kmax": cat(kmax), "vcen": cat(vcen), "vrad": cat(vrad), "bytes": nbytes,
+             "tier": layer_memory.placement(nbytes)}
+    return pages, block_slot
+
+
+def _random_priorities(seed: int, layer: int, pages: dict[str, np.ndarray], page: int,
+                       n_steps: int) -> np.ndarray:
+    """:func:`tracesim.tiers.schedulers.random_priority` of every step and page, (NQ, NP)."""
+    off = pages["off"]
+    out = np.empty((n_steps, off[-1]))
+    steps = np.arange(n_steps, dtype=np.int64)[:, None]
+    for g in range(off.size - 1):
+        pid = pages["first"][off[g]:off[g + 1]] // page
+        key = (steps * 65537 + pid[None, :]) % (1 << 32)
+        out[:, off[g]:off[g + 1]] = permanent_uniforms(
+            int(seed), int(layer), g, key.ravel(), stream=STREAM_FETCH).reshape(key.shape)
+    return out
 
 
 def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layers: int,
@@ -112,25 +158,24 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
     """
     budgets = np.asarray(budgets, dtype=np.float64)
     schedulers = tuple(schedulers)
-    _check(trace, policy, schedulers, budgets)
+    check_inputs(trace, policy, schedulers, budgets)
     seeds = np.asarray(seeds, dtype=np.int64)
     if not policy.needs_seeds:
         seeds = seeds[:1]
     qidx = evaluated_queries(trace, ("decode",))
-    qpos = trace.query_positions[qidx]
-    H, G, n_kv = trace.n_heads, trace.group_size, trace.n_kv_heads
-    d = trace.keys.shape[2]
+    qpos = trace.query_positions[qidx].astype(np.int64)
+    H, n_kv = trace.n_heads, trace.n_kv_heads
     NQ, NS, NB = qidx.size, len(schedulers), budgets.size
-    tb = memory.token_bytes(d)
+    tb = memory.token_bytes(trace.keys.shape[2])
     n_tiers = len(memory.lower)
-    hajek = policy.correction == "hajek"
     conf_w = confidence_weights(step_logprobs(trace, qpos))
-    share = 1.0 / max(1, n_layers)  # each layer gets an equal share of every tier's capacity
-    layer_memory = MemoryModel(
-        hbm_bandwidth_gbps=memory.hbm_bandwidth_gbps, page=memory.page,
-        bytes_per_element=memory.bytes_per_element, overlap=memory.overlap,
-        lower=tuple(type(t)(t.name, t.bandwidth_gbps, t.latency_us, t.capacity_gb * share,
-                            t.queue_depth) for t in memory.lower))
+    layer_memory = layer_memory_model(memory, n_layers)
+    sched = np.array([SCHEDULERS.index(s) for s in schedulers], dtype=np.int64)
+    need_bound = bool({"bound", "certificate", "certificate_page"} & set(schedulers))
+    need_random = bool({"random", "confidence"} & set(schedulers))
+    K = np.ascontiguousarray(trace.keys, dtype=np.float64)
+    V = np.ascontiguousarray(trace.values, dtype=np.float64)
+    Q = np.ascontiguousarray(trace.queries[:, qidx], dtype=np.float64)
 
     err_before = np.zeros((H, NQ))
     cert = np.zeros((H, NQ))
@@ -141,156 +186,51 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
     fetch_s = np.zeros((NS, NB, NQ))
     stall_s = np.zeros((NS, NB, NQ))
     tier_bytes = np.zeros((NS, NB, NQ, n_tiers))
-
     for seed in seeds:
         pi, kept = event_inclusion(trace, policy, int(seed), n_layers)
-        heads = [_HeadPages(trace, g, ~kept[g], memory.page, tb) for g in range(n_kv)]
-        all_bytes = np.concatenate([hp.bytes for hp in heads])
-        tier = layer_memory.placement(all_bytes)
-        offsets = np.cumsum([0] + [hp.bytes.size for hp in heads])
-        for a, qi in enumerate(qidx):
-            t = int(qpos[a])
-            prio = {s: np.zeros(all_bytes.size) for s in schedulers}
-            base_num, base_den, page_num, page_den, truth = [], [], [], [], []
-            kept_tokens = 0
-            n_visible = []
-            for g, hp in enumerate(heads):
-                hs = slice(g * G, (g + 1) * G)
-                K, V = trace.keys[g, :t + 1], trace.values[g, :t + 1]
-                Q = trace.queries[hs, qi]                                  # (G, d)
-                s = (K @ Q.T) * trace.scale                                # (t+1, G)
-                smax = s.max(axis=0)
-                e = np.exp(s - smax)
-                o = (e.T @ V) / e.sum(axis=0)[:, None]
-                km = kept[g, :t + 1]
-                kept_tokens += int(km.sum())
-                inv = np.where(km, 1.0 / np.where(km, pi[g, :t + 1], 1.0), 0.0) if hajek \
-                    else km.astype(np.float64)
-                w = e * inv[:, None]
-                num, den = w.T @ V, w.sum(axis=0)
-                o_hat = num / den[:, None]
-                err_before[hs, a] += ((o_hat - o) ** 2).sum(axis=1)
-                tail = km & (pi[g, :t + 1] < 1.0)
-                if policy.certified and tail.any():
-                    aw = w[tail] / den                                     # (m, G)
-                    dv = ((V[tail][:, None, :] - o_hat[None]) ** 2).sum(axis=2)
-                    contrib = (1.0 - pi[g, :t + 1][tail])[:, None] * aw ** 2 * dv  # (m, G)
-                    c2 = contrib.sum(axis=0)
-                    cert[hs, a] += c2
-                    tail_pos = np.flatnonzero(tail)
-                else:
-                    c2 = np.zeros(G)
-                    contrib, tail_pos = np.zeros((0, G)), np.zeros(0, dtype=np.int64)
-                # Page sums of the evicted tokens this query sees.
-                vis = hp.pos <= t
-                if vis.all():
-                    pos, starts, npg = hp.pos, hp.starts, hp.page_id.size
-                else:
-                    pos = hp.pos[vis]
-                    pid = pos // memory.page
-                    starts = np.flatnonzero(np.r_[True, pid[1:] != pid[:-1]]) if pos.size \
-                        else np.zeros(0, dtype=np.int64)
-                    npg = starts.size
-                pn = np.zeros((hp.page_id.size, G, d))
-                pd = np.zeros((hp.page_id.size, G))
-                if pos.size:
-                    em = e[pos]
-                    pd[:npg] = np.add.reduceat(em, starts, axis=0)
-                    pn[:npg] = np.add.reduceat(em[:, :, None] * V[pos][:, None, :], starts,
-                                               axis=0)
-                # A fetched page is then complete: its sampled tokens lose the 1/pi weight.
-                adj = np.flatnonzero(tail & np.isin(np.arange(t + 1) // memory.page,
-                                                    hp.page_id[:npg]))
-                if adj.size and hajek:
-                    ea = e[adj] * (1.0 - inv[adj])[:, None]            # (n_adj, G), <= 0
-                    slot = np.searchsorted(hp.page_id, adj // memory.page)
-                    np.add.at(pd, slot, ea)
-                    np.add.at(pn, slot, ea[:, :, None] * V[adj][:, None, :])
-                n_visible.append(npg)
-                base_num.append(num)
-                base_den.append(den)
-                page_num.append(pn)
-                page_den.append(pd)
-                truth.append(o)
-                evicted[g, a] += hp.bytes[:npg].sum()
-                sl = slice(offsets[g], offsets[g + 1])
-                if "oracle" in prio:
-                    prio["oracle"][sl] = (pd / e.sum(axis=0)).sum(axis=1)
-                if "bound" in prio or "certificate" in prio or "certificate_page" in prio:
-                    eK = e[km]
-                    E_R = eK.sum(axis=0)
-                    o_R = (eK.T @ V[km]) / E_R[:, None]
-                    bterm = np.zeros(hp.page_id.size)
-                    if hp.page_id.size:
-                        for h in range(G):
-                            u = logit_upper_bounds(Q[h], hp.summ, trace.scale) - smax[h]
-                            dist = np.linalg.norm(hp.summ.vcen - o_R[h], axis=1) + hp.summ.vrad
-                            bterm += hp.summ.count * np.exp(np.minimum(u, 700.0)) * dist / E_R[h]
-                        bterm[npg:] = 0.0
-                    if "bound" in prio:
-                        prio["bound"][sl] = bterm
-                    if "certificate" in prio:
-                        tot = bterm.sum()
-                        frac = bterm / tot if tot > 0 else np.full(bterm.size, 1.0 / max(
-                            1, bterm.size))
-                        prio["certificate"][sl] = c2.sum() * frac
-                    if "certificate_page" in prio:
-                        # the page's share of the certificate: its sampled tokens' terms
-                        slot = np.searchsorted(hp.page_id, tail_pos // memory.page)
-                        ok = (slot < hp.page_id.size) & (hp.page_id[np.minimum(
-                            slot, max(hp.page_id.size - 1, 0))] == tail_pos // memory.page) \
-                            if hp.page_id.size else np.zeros(tail_pos.size, dtype=bool)
-                        pc = np.zeros(hp.page_id.size)
-                        np.add.at(pc, slot[ok], contrib.sum(axis=1)[ok])
-                        tot = bterm.sum()
-                        frac = bterm / tot if tot > 0 else np.zeros(bterm.size)
-                        prio["certificate_page"][sl] = pc + 1e-9 * c2.sum() * frac
-                if "random" in prio or "confidence" in prio:
-                    r = random_priority(int(seed), trace.layer, g, a, hp.page_id)
-                    for s_name in ("random", "confidence"):
-                        if s_name in prio:
-                            prio[s_name][sl] = r
-            total = all_bytes.sum()
-            # Pages a query cannot see yet (none for decode steps of one-shot eviction) never go.
-            visible = np.concatenate([np.arange(hp.page_id.size) < nv
-                                      for hp, nv in zip(heads, n_visible, strict=True)])
-            for si, s_name in enumerate(schedulers):
-                if s_name == "none":
-                    order = np.zeros(0, dtype=np.int64)
-                else:
-                    cand = np.flatnonzero(visible)
-                    order = cand[np.argsort(-prio[s_name][cand], kind="stable")]
-                cum = np.cumsum(all_bytes[order])
-                for bi, f in enumerate(budgets):
-                    # f = 1 is unlimited: every evicted page, for every scheduler.
-                    B = total if f >= 1.0 else min(
-                        total, f * total * (conf_w[a] if s_name == "confidence" else 1.0))
-                    n_sel = int(np.searchsorted(cum, B * (1 + 1e-12), side="right"))
-                    sel = order[:n_sel]
-                    mask = np.zeros(all_bytes.size, dtype=bool)
-                    mask[sel] = True
-                    for g in range(n_kv):
-                        hs = slice(g * G, (g + 1) * G)
-                        msk = mask[offsets[g]:offsets[g + 1]]
-                        if msk.size and msk.all():
-                            o_after = truth[g]     # nothing left out: the exact cache
-                        else:
-                            num = base_num[g] + page_num[g][msk].sum(axis=0)
-                            den = base_den[g] + page_den[g][msk].sum(axis=0)
-                            o_after = num / den[:, None]
-                        err_after[si, bi, hs, a] += ((o_after - truth[g]) ** 2).sum(axis=1)
-                        kv_bytes[si, bi, g, a] += all_bytes[offsets[g]:offsets[g + 1]][msk].sum()
-                        kv_pages[si, bi, g, a] += msk.sum()
-                    nf = np.bincount(tier[sel], minlength=n_tiers).astype(np.float64)
-                    nb = np.bincount(tier[sel], weights=all_bytes[sel], minlength=n_tiers)
-                    fetched_tokens = all_bytes[sel].sum() / tb
-                    fs, st = layer_memory.step_times(nf[None], nb[None], np.array(
-                        [(kept_tokens + fetched_tokens) * tb]))
-                    fetch_s[si, bi, a] += fs[0]
-                    stall_s[si, bi, a] += st[0]
-                    tier_bytes[si, bi, a] += nb
+        pi = np.ascontiguousarray(pi, dtype=np.float64)
+        kept = np.ascontiguousarray(kept, dtype=np.bool_)
+        pages, block_slot = _pages(trace, kept, memory.page, tb, layer_memory)
+        tails = [np.flatnonzero(kept[g] & (pi[g] < 1.0)) for g in range(n_kv)]
+        tail_off = np.cumsum([0] + [x.size for x in tails]).astype(np.int64)
+        tail_pos = np.concatenate(tails).astype(np.int64)
+        rprio = (_random_priorities(int(seed), trace.layer, pages, memory.page, NQ)
+                 if need_random else np.zeros((1, 1)))
+        r = tiers_layer(K, V, Q, qpos, trace.scale, pi, kept, policy.correction == "hajek",
+                        bool(policy.certified), memory.page, pages, block_slot, tail_off,
+                        tail_pos, sched, budgets, conf_w, rprio, need_bound, n_tiers)
+        err_before += r["err_before"]
+        cert += r["cert"]
+        err_after += r["err_after"]
+        kv_bytes += r["kv_bytes"]
+        kv_pages += r["kv_pages"]
+        evicted += r["evicted"]
+        tier_bytes += r["tier_nb"]
+        fetched_tokens = r["tier_nb"].sum(axis=3) / tb                        # (NS, NB, NQ)
+        kept_bytes = (r["kept_tokens"][None, None, :] + fetched_tokens) * tb
+        fs, st = layer_memory.step_times(r["tier_nf"].reshape(-1, n_tiers),
+                                         r["tier_nb"].reshape(-1, n_tiers), kept_bytes.ravel())
+        fetch_s += fs.reshape(NS, NB, NQ)
+        stall_s += st.reshape(NS, NB, NQ)
+    return to_columns(trace, policy, memory, schedulers, budgets, seeds.size, qpos, err_before,
+                      cert, err_after, kv_bytes, kv_pages, evicted, fetch_s, stall_s, tier_bytes)
 
-    n = float(seeds.size)
+
+def to_columns(trace: LayerTrace, policy: Policy, memory: MemoryModel,
+               schedulers: tuple[str, ...], budgets: np.ndarray, n_seeds: int,
+               qpos: np.ndarray, err_before: np.ndarray, cert: np.ndarray,
+               err_after: np.ndarray, kv_bytes: np.ndarray, kv_pages: np.ndarray,
+               evicted: np.ndarray, fetch_s: np.ndarray, stall_s: np.ndarray,
+               tier_bytes: np.ndarray) -> dict[str, np.ndarray]:
+    """Output columns from the sums over seeds.
+
+    ``err_before``, ``cert`` (H, NQ); ``err_after`` (NS, NB, H, NQ); ``kv_bytes``, ``kv_pages``
+    (NS, NB, n_kv, NQ); ``evicted`` (n_kv, NQ); ``fetch_s``, ``stall_s`` (NS, NB, NQ), seconds;
+    ``tier_bytes`` (NS, NB, NQ, n_tiers). Every value is divided by ``n_seeds``.
+    """
+    H, G = trace.n_heads, trace.group_size
+    NS, NB, NQ = len(schedulers), budgets.size, qpos.size
+    n = float(n_seeds)
     shape = (NS, NB, H, NQ)
     head = np.broadcast_to(np.arange(H)[None, None, :, None], shape)
     kvh = head // G
@@ -309,7 +249,7 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
         "query_position": qpos[step.ravel()].astype(np.int32),
         "scheduler": np.asarray(schedulers, dtype=object)[sched.ravel()],
         "fetch_budget": budgets[bud.ravel()],
-        "n_seeds": np.full(head.size, seeds.size, dtype=np.int32),
+        "n_seeds": np.full(head.size, n_seeds, dtype=np.int32),
         "err2_before": np.broadcast_to(err_before[None, None] / n, shape).ravel(),
         "err2_after": (err_after / n).ravel(),
         "cert2": (np.broadcast_to(cert[None, None] / n, shape).ravel() if policy.certified

@@ -1,0 +1,243 @@
+"""Plain-numpy reference of the tiers simulator (:func:`simulate_layer_reference`).
+
+It computes, per seed, decode step and KV head, full softmaxes, page sums and page bounds with
+numpy, and is slow on long contexts; :func:`tracesim.tiers.simulate.simulate_layer` runs the
+compiled kernel (:mod:`tracesim.kernels.tiers`) and the tests check that both agree on every
+column. The model is described in :mod:`tracesim.tiers.simulate` and ``docs/tiers.md``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tracesim.bounds.pages import build_page_summaries, logit_upper_bounds
+from tracesim.policies import LayerTrace, Policy
+from tracesim.replay.engine import evaluated_queries
+from tracesim.replay.kept import event_inclusion
+from tracesim.tiers.model import MemoryModel
+from tracesim.tiers.schedulers import confidence_weights, random_priority
+from tracesim.tiers.simulate import check_inputs, layer_memory_model, step_logprobs, to_columns
+
+__all__ = ["simulate_layer_reference"]
+
+
+class _HeadPages:
+    """The evicted pages of one KV head: summaries, positions and page boundaries."""
+
+    def __init__(self, trace: LayerTrace, g: int, missing: np.ndarray, page: int,
+                 token_bytes: int) -> None:
+        self.summ = build_page_summaries(trace.keys[g], trace.values[g], missing, page)
+        self.pos = np.flatnonzero(missing)
+        pid = self.pos // page
+        self.starts = np.flatnonzero(np.r_[True, pid[1:] != pid[:-1]]) if self.pos.size \
+            else np.zeros(0, dtype=np.int64)
+        self.page_id = self.summ.first // page
+        self.bytes = self.summ.count.astype(np.float64) * token_bytes
+
+
+def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarray,
+                             n_layers: int, memory: MemoryModel, schedulers: tuple[str, ...],
+                             budgets: np.ndarray) -> dict[str, np.ndarray]:
+    """Simulate every scheduler and fetch budget on one layer of one sequence, in numpy.
+
+    Same parameters and result as :func:`tracesim.tiers.simulate.simulate_layer`.
+
+    Parameters
+    ----------
+    trace : LayerTrace
+        The layer (float64), with decode queries.
+    policy : Policy
+        One-shot base eviction policy.
+    seeds : ndarray of int, shape (S,)
+        Seeds of the permanent random numbers (deterministic policies use the first only).
+    n_layers : int
+        Layers of the model (for the policy's budget schedule).
+    memory : MemoryModel
+    schedulers : tuple of str
+        Names from :data:`tracesim.tiers.schedulers.SCHEDULERS`.
+    budgets : ndarray, shape (B,)
+        Fetch budgets as fractions of the layer's evicted bytes at the step.
+
+    Returns
+    -------
+    dict of str -> ndarray
+        Columns of length ``len(schedulers) * B * n_heads * n_steps`` in that nesting order
+        (scheduler outermost, step innermost); see ``docs/tiers.md``.
+    """
+    budgets = np.asarray(budgets, dtype=np.float64)
+    schedulers = tuple(schedulers)
+    check_inputs(trace, policy, schedulers, budgets)
+    seeds = np.asarray(seeds, dtype=np.int64)
+    if not policy.needs_seeds:
+        seeds = seeds[:1]
+    qidx = evaluated_queries(trace, ("decode",))
+    qpos = trace.query_positions[qidx]
+    H, G, n_kv = trace.n_heads, trace.group_size, trace.n_kv_heads
+    d = trace.keys.shape[2]
+    NQ, NS, NB = qidx.size, len(schedulers), budgets.size
+    tb = memory.token_bytes(d)
+    n_tiers = len(memory.lower)
+    hajek = policy.correction == "hajek"
+    conf_w = confidence_weights(step_logprobs(trace, qpos))
+    layer_memory = layer_memory_model(memory, n_layers)
+
+    err_before = np.zeros((H, NQ))
+    cert = np.zeros((H, NQ))
+    err_after = np.zeros((NS, NB, H, NQ))
+    kv_bytes = np.zeros((NS, NB, n_kv, NQ))
+    kv_pages = np.zeros((NS, NB, n_kv, NQ))
+    evicted = np.zeros((n_kv, NQ))
+    fetch_s = np.zeros((NS, NB, NQ))
+    stall_s = np.zeros((NS, NB, NQ))
+    tier_bytes = np.zeros((NS, NB, NQ, n_tiers))
+
+    for seed in seeds:
+        pi, kept = event_inclusion(trace, policy, int(seed), n_layers)
+        heads = [_HeadPages(trace, g, ~kept[g], memory.page, tb) for g in range(n_kv)]
+        all_bytes = np.concatenate([hp.bytes for hp in heads])
+        tier = layer_memory.placement(all_bytes)
+        offsets = np.cumsum([0] + [hp.bytes.size for hp in heads])
+        for a, qi in enumerate(qidx):
+            t = int(qpos[a])
+            prio = {s: np.zeros(all_bytes.size) for s in schedulers}
+            base_num, base_den, page_num, page_den, truth = [], [], [], [], []
+            kept_tokens = 0
+            n_visible = []
+            for g, hp in enumerate(heads):
+                hs = slice(g * G, (g + 1) * G)
+                K, V = trace.keys[g, :t + 1], trace.values[g, :t + 1]
+                Q = trace.queries[hs, qi]                                  # (G, d)
+                s = (K @ Q.T) * trace.scale                                # (t+1, G)
+                smax = s.max(axis=0)
+                e = np.exp(s - smax)
+                o = (e.T @ V) / e.sum(axis=0)[:, None]
+                km = kept[g, :t + 1]
+                kept_tokens += int(km.sum())
+                inv = np.where(km, 1.0 / np.where(km, pi[g, :t + 1], 1.0), 0.0) if hajek \
+                    else km.astype(np.float64)
+                w = e * inv[:, None]
+                num, den = w.T @ V, w.sum(axis=0)
+                o_hat = num / den[:, None]
+                err_before[hs, a] += ((o_hat - o) ** 2).sum(axis=1)
+                tail = km & (pi[g, :t + 1] < 1.0)
+                if policy.certified and tail.any():
+                    aw = w[tail] / den                                     # (m, G)
+                    dv = ((V[tail][:, None, :] - o_hat[None]) ** 2).sum(axis=2)
+                    contrib = (1.0 - pi[g, :t + 1][tail])[:, None] * aw ** 2 * dv  # (m, G)
+                    c2 = contrib.sum(axis=0)
+                    cert[hs, a] += c2
+                    tail_pos = np.flatnonzero(tail)
+                else:
+                    c2 = np.zeros(G)
+                    contrib, tail_pos = np.zeros((0, G)), np.zeros(0, dtype=np.int64)
+                # Page sums of the evicted tokens this query sees.
+                vis = hp.pos <= t
+                if vis.all():
+                    pos, starts, npg = hp.pos, hp.starts, hp.page_id.size
+                else:
+                    pos = hp.pos[vis]
+                    pid = pos // memory.page
+                    starts = np.flatnonzero(np.r_[True, pid[1:] != pid[:-1]]) if pos.size \
+                        else np.zeros(0, dtype=np.int64)
+                    npg = starts.size
+                pn = np.zeros((hp.page_id.size, G, d))
+                pd = np.zeros((hp.page_id.size, G))
+                if pos.size:
+                    em = e[pos]
+                    pd[:npg] = np.add.reduceat(em, starts, axis=0)
+                    pn[:npg] = np.add.reduceat(em[:, :, None] * V[pos][:, None, :], starts,
+                                               axis=0)
+                # A fetched page is then complete: its sampled tokens lose the 1/pi weight.
+                adj = np.flatnonzero(tail & np.isin(np.arange(t + 1) // memory.page,
+                                                    hp.page_id[:npg]))
+                if adj.size and hajek:
+                    ea = e[adj] * (1.0 - inv[adj])[:, None]            # (n_adj, G), <= 0
+                    slot = np.searchsorted(hp.page_id, adj // memory.page)
+                    np.add.at(pd, slot, ea)
+                    np.add.at(pn, slot, ea[:, :, None] * V[adj][:, None, :])
+                n_visible.append(npg)
+                base_num.append(num)
+                base_den.append(den)
+                page_num.append(pn)
+                page_den.append(pd)
+                truth.append(o)
+                evicted[g, a] += hp.bytes[:npg].sum()
+                sl = slice(offsets[g], offsets[g + 1])
+                if "oracle" in prio:
+                    prio["oracle"][sl] = (pd / e.sum(axis=0)).sum(axis=1)
+                if "bound" in prio or "certificate" in prio or "certificate_page" in prio:
+                    eK = e[km]
+                    E_R = eK.sum(axis=0)
+                    o_R = (eK.T @ V[km]) / E_R[:, None]
+                    bterm = np.zeros(hp.page_id.size)
+                    if hp.page_id.size:
+                        for h in range(G):
+                            u = logit_upper_bounds(Q[h], hp.summ, trace.scale) - smax[h]
+                            dist = np.linalg.norm(hp.summ.vcen - o_R[h], axis=1) + hp.summ.vrad
+                            bterm += hp.summ.count * np.exp(np.minimum(u, 700.0)) * dist / E_R[h]
+                        bterm[npg:] = 0.0
+                    if "bound" in prio:
+                        prio["bound"][sl] = bterm
+                    if "certificate" in prio:
+                        tot = bterm.sum()
+                        frac = bterm / tot if tot > 0 else np.full(bterm.size, 1.0 / max(
+                            1, bterm.size))
+                        prio["certificate"][sl] = c2.sum() * frac
+                    if "certificate_page" in prio:
+                        # the page's share of the certificate: its sampled tokens' terms
+                        slot = np.searchsorted(hp.page_id, tail_pos // memory.page)
+                        ok = (slot < hp.page_id.size) & (hp.page_id[np.minimum(
+                            slot, max(hp.page_id.size - 1, 0))] == tail_pos // memory.page) \
+                            if hp.page_id.size else np.zeros(tail_pos.size, dtype=bool)
+                        pc = np.zeros(hp.page_id.size)
+                        np.add.at(pc, slot[ok], contrib.sum(axis=1)[ok])
+                        tot = bterm.sum()
+                        frac = bterm / tot if tot > 0 else np.zeros(bterm.size)
+                        prio["certificate_page"][sl] = pc + 1e-9 * c2.sum() * frac
+                if "random" in prio or "confidence" in prio:
+                    r = random_priority(int(seed), trace.layer, g, a, hp.page_id)
+                    for s_name in ("random", "confidence"):
+                        if s_name in prio:
+                            prio[s_name][sl] = r
+            total = all_bytes.sum()
+            # Pages a query cannot see yet (none for decode steps of one-shot eviction) never go.
+            visible = np.concatenate([np.arange(hp.page_id.size) < nv
+                                      for hp, nv in zip(heads, n_visible, strict=True)])
+            for si, s_name in enumerate(schedulers):
+                if s_name == "none":
+                    order = np.zeros(0, dtype=np.int64)
+                else:
+                    cand = np.flatnonzero(visible)
+                    order = cand[np.argsort(-prio[s_name][cand], kind="stable")]
+                cum = np.cumsum(all_bytes[order])
+                for bi, f in enumerate(budgets):
+                    # f = 1 is unlimited: every evicted page, for every scheduler.
+                    B = total if f >= 1.0 else min(
+                        total, f * total * (conf_w[a] if s_name == "confidence" else 1.0))
+                    n_sel = int(np.searchsorted(cum, B * (1 + 1e-12), side="right"))
+                    sel = order[:n_sel]
+                    mask = np.zeros(all_bytes.size, dtype=bool)
+                    mask[sel] = True
+                    for g in range(n_kv):
+                        hs = slice(g * G, (g + 1) * G)
+                        msk = mask[offsets[g]:offsets[g + 1]]
+                        if msk.size and msk.all():
+                            o_after = truth[g]     # nothing left out: the exact cache
+                        else:
+                            num = base_num[g] + page_num[g][msk].sum(axis=0)
+                            den = base_den[g] + page_den[g][msk].sum(axis=0)
+                            o_after = num / den[:, None]
+                        err_after[si, bi, hs, a] += ((o_after - truth[g]) ** 2).sum(axis=1)
+                        kv_bytes[si, bi, g, a] += all_bytes[offsets[g]:offsets[g + 1]][msk].sum()
+                        kv_pages[si, bi, g, a] += msk.sum()
+                    nf = np.bincount(tier[sel], minlength=n_tiers).astype(np.float64)
+                    nb = np.bincount(tier[sel], weights=all_bytes[sel], minlength=n_tiers)
+                    fetched_tokens = all_bytes[sel].sum() / tb
+                    fs, st = layer_memory.step_times(nf[None], nb[None], np.array(
+                        [(kept_tokens + fetched_tokens) * tb]))
+                    fetch_s[si, bi, a] += fs[0]
+                    stall_s[si, bi, a] += st[0]
+                    tier_bytes[si, bi, a] += nb
+
+    return to_columns(trace, policy, memory, schedulers, budgets, seeds.size, qpos, err_before,
+                      cert, err_after, kv_bytes, kv_pages, evicted, fetch_s, stall_s, tier_bytes)
