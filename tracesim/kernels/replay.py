@@ -52,7 +52,7 @@ _NS = 10
 @nb.njit(cache=True)
 def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, kept_idx,
           mt, m, kb, ex, event, corrected, certify, fixed_var, z_wald, t_table, gblk,
-          vqg, pidx, use_os, want_trv2, stats, top, out_it, errT, lcert):
+          vqg, pidx, use_os, want_trv2, stats, top, xta, zta, nta, out_it, errT, lcert):
     nqe = qrows.size
     d = Vg.shape[1]
     R = nqe * G
@@ -64,7 +64,15 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
         inv[j] = 1.0 / pv if corrected else 1.0
         piv[j] = pv if corrected else 1.0
         cw[j] = 1.0 - pv if pv < 1.0 else 0.0
-    We, Vk, X, Z = estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv)
+    # When every take-all token is kept (always, except for a fixed-size mask that drops one)
+    # the take-all part of X and Z is the event's, shared by all seeds: only the sampled tail
+    # is this seed's own work. Take-all columns of We and Vk are not needed beyond X and Z.
+    shared = m - mt == nta
+    We, Vk, X, Z = estimate_block(E, Vg, qrows, g, G, kept_idx, mt if shared else m, inv)
+    if shared:
+        for a in range(nqe):
+            for hh in range(G):
+                Z[a * G + hh] += zta[j0 + a, g * G + hh]
     sc = np.zeros((R, _NS))
     kmass = np.zeros(R)
     tail = certify and mt > 0
@@ -176,7 +184,8 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
             e2 = 0.0
             n2 = 0.0
             for k in range(d):
-                est[hh, k] = X[r, k] / Z[r]
+                xs = xta[j0 + a, h, k] if shared else 0.0
+                est[hh, k] = (X[r, k] + xs) / Z[r]
                 dk = est[hh, k] - truth[h, q, k]
                 errT[h * d + k, q] = dk
                 e2 += dk * dk
@@ -354,7 +363,7 @@ def _layer_error(errT, rpack, roff, rstart, lerr):
 @nb.njit(cache=True, parallel=True)
 def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev, kmask,
                   u, it_cfg, it_seed, it_slot, it_kslot, flags, z_wald, t_table, gblk, vq,
-                  pidx, rpack, roff, rstart, want_trv2, stats, top, out, lout):
+                  pidx, rpack, roff, rstart, want_trv2, stats, top, xta, zta, nta, out, lout):
     """Replay every iteration (policy, seed) over one layer; see the module docstring.
 
     Shapes: ``E`` (H, NQ, P); ``zfull`` (H, NQ); ``V`` (n_kv, P, d); ``vn2`` (n_kv, P) = ``|v|^2``;
@@ -365,7 +374,8 @@ def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev
     and the layer error's packed triangular factor ``rpack``/``roff``/``rstart``
     (:func:`_layer_error`; empty ``rpack`` = off);
     ``pidx`` (G, G) pair index (diagonal pairs 0..G-1, then cross pairs); ``stats`` and
-    ``top`` from :func:`tracesim.kernels.replay_events.event_stats_kernel`;
+    ``top`` from :func:`tracesim.kernels.replay_events.event_stats_kernel`; ``xta``, ``zta``
+    and ``nta`` from :func:`tracesim.kernels.replay_events.take_all_kernel`;
     ``out`` (n_iter, H, NQ, N_FIELDS); ``lout`` (n_iter, NQ, N_LAYER_FIELDS).
     """
     H, NQ, P = E.shape
@@ -395,7 +405,8 @@ def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev
                 _unit(E, zfull, V[g], vn2[g], truth, qpos, qrows, ev_qptr[e], g, G,
                       pi[e, g], keptflag, kept_idx, mt, m, kb, ex, e - slot_ev[slot],
                       corrected, certify, fixed_var, z_wald, t_table, gblk[g], vq[g],
-                      pidx, use_os, want_trv2, stats, top, out[it], errT, lcert)
+                      pidx, use_os, want_trv2, stats, top, xta, zta, nta[e, g], out[it], errT,
+                      lcert)
         if use_os:
             lerr = np.empty(NQ)
             _layer_error(errT, rpack, roff, rstart, lerr)

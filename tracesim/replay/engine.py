@@ -24,6 +24,7 @@ from tracesim.kernels.replay_events import (
     TOP_ELIGIBLE,
     event_stats_kernel,
     exp_logits_kernel,
+    take_all_kernel,
     truth_kernel,
 )
 from tracesim.policies import LayerTrace, Policy
@@ -395,13 +396,17 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
             ev_stats = np.empty((ev_q.size, H, N_STATS))
             top = np.empty((ev_q.size, H, TOP_ELIGIBLE), dtype=np.int64)
             event_stats_kernel(E, zf, tables.pi, ev_qptr, ev_q, qp, G, ev_stats, top)
+            xta = np.empty((ev_q.size, H, d))
+            zta = np.empty((ev_q.size, H))
+            nta = np.empty((ev_qptr.size - 1, n_kv), dtype=np.int64)
+            take_all_kernel(E, V, tables.pi, ev_qptr, ev_q, G, xta, zta, nta)
             o = out if whole else np.empty((n_it, H, nq, N_FIELDS))
             lo = lout if whole else np.empty((n_it, nq, N_LAYER_FIELDS))
             replay_kernel(E, zf, V, vn2, tr, qp, tables.pi, tables.tau, ev_qptr, ev_q,
                           tables.slot_ev, kmask, u, tables.it_cfg, tables.it_seed,
                           tables.it_slot, tables.it_kslot, flags, setup.z, ttab, gblk, vq,
                           pidx, rpack, roff, rstart, bool(options.satterthwaite), ev_stats, top,
-                          o, lo)
+                          xta, zta, nta, o, lo)
             del E
             truth[:, q0:q1] = tr
             zfull[:, q0:q1] = zf
