@@ -82,52 +82,48 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
     # Cross-pair rows (output space) then fixed-size centring rows share one GEMM with V.
     Wxf = np.empty(((nqe * npx if tail else 0) + nf, mt), Vg.dtype)
     sx = np.zeros((nqe * npx, 2))
+    # Per-token constants of the kept tail, gathered once per unit (contiguous for the sums).
+    vnk = np.empty(mt if tail else 0)
+    vqk = np.empty((vqg.shape[0], mt if (tail and use_os) else 0))
+    if tail:
+        for j in range(mt):
+            vnk[j] = vn2g[kept_idx[j]]
+        if use_os:
+            for i in range(vqg.shape[0]):
+                for j in range(mt):
+                    vqk[i, j] = vqg[i, kept_idx[j]]
     for a in range(nqe):
         q = qrows[a]
         t = qpos[q]
+        # Tail tokens are in position order: the query sees the first nv of them.
+        nv = np.searchsorted(kept_idx[:mt], t, side="right")
         for hh in range(G):
             r = a * G + hh
-            h = g * G + hh
             sc[r, _Z] = Z[r]
-            # Local accumulators: the compiler keeps them in registers (array slots it won't).
-            km = 0.0
-            n_t = 0.0
-            sw = 0.0
-            sw2 = 0.0
+            w = We[r]
+            km, sw, sw2 = _row_sums(w, piv, nv)
+            wmax = 0.0
+            for j in range(nv):
+                wmax = max(wmax, np.float64(w[j]))
             s_c = 0.0
             s_q = 0.0
             s_qg = 0.0
             s_cw = 0.0
             s_c1 = 0.0
-            wmax = 0.0
-            pd = pidx[hh, hh]
-            fr = nqe * npx + r
-            for j in range(mt):
-                p = kept_idx[j]
-                if p > t:
-                    if tail:
-                        Wd[r, j] = 0.0
-                        if fixed_var:
-                            Wxf[fr, j] = 0.0
-                    continue
-                w = We[r, j]
-                km += w * piv[j]
-                n_t += 1.0
-                sw += w
-                sw2 += w * w
-                if w > wmax:
-                    wmax = w
-                if tail:
-                    wd = cw[j] * w * w
-                    Wd[r, j] = wd
-                    s_c += wd
-                    s_q += wd * vn2g[p]
-                    if use_os:
-                        s_qg += wd * vqg[pd, p]
-                    if fixed_var:
-                        Wxf[fr, j] = cw[j] * w
-                        s_cw += cw[j] * w
+            if tail:
+                s_c, s_q, s_qg = _tail_sums(w, cw, vnk, vqk[pidx[hh, hh]], nv, use_os, Wd[r])
+                for j in range(nv, mt):
+                    Wd[r, j] = 0.0
+                if fixed_var:
+                    fr = nqe * npx + r
+                    for j in range(nv):
+                        cwj = cw[j] * w[j]
+                        Wxf[fr, j] = cwj
+                        s_cw += cwj
                         s_c1 += cw[j]
+                    for j in range(nv, mt):
+                        Wxf[fr, j] = 0.0
+            n_t = float(nv)
             kmass[r] = km
             sc[r, _MT] = n_t
             sc[r, _SW] = sw
@@ -146,13 +142,7 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
                     ra = a * G + ha
                     rb = a * G + hb
                     pq = pidx[ha, hb]
-                    s0 = 0.0
-                    s1 = 0.0
-                    for j in range(mt):
-                        wx = cw[j] * We[ra, j] * We[rb, j]
-                        Wxf[rx, j] = wx
-                        s0 += wx
-                        s1 += wx * vqg[pq, kept_idx[j]]
+                    s0, s1 = _cross_sums(We[ra], We[rb], cw, vqk[pq], mt, Wxf[rx])
                     sx[rx, 0] = s0
                     sx[rx, 1] = s1
                     x += 1
@@ -271,6 +261,59 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
                                       mr) if (tail and mr > 0) else 0.0
     if certify and use_os and tail:
         _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gblk, lcert)
+
+
+@nb.njit(cache=True, fastmath={"reassoc", "contract"})
+def _row_sums(w, piv, n):
+    """``(sum w exp-mass, sum w, sum w^2)`` over the first ``n`` weights of a row."""
+    km = 0.0
+    sw = 0.0
+    sw2 = 0.0
+    for j in range(n):
+        x = np.float64(w[j])
+        km += x * piv[j]
+        sw += x
+        sw2 += x * x
+    return km, sw, sw2
+
+
+@nb.njit(cache=True, fastmath={"reassoc", "contract"})
+def _tail_sums(w, cw, vnk, vqd, n, use_os, wd):
+    """Row ``wd = (1-pi) w^2`` of the certificate's GEMM and its sums ``sum wd``,
+    ``sum wd |v|^2`` and (output space) ``sum wd v^T Gamma_aa v``."""
+    s_c = 0.0
+    s_q = 0.0
+    s_qg = 0.0
+    if use_os:
+        for j in range(n):
+            x = np.float64(w[j])
+            v = cw[j] * x * x
+            wd[j] = v
+            s_c += v
+            s_q += v * vnk[j]
+            s_qg += v * vqd[j]
+    else:
+        for j in range(n):
+            x = np.float64(w[j])
+            v = cw[j] * x * x
+            wd[j] = v
+            s_c += v
+            s_q += v * vnk[j]
+    return s_c, s_q, s_qg
+
+
+@nb.njit(cache=True, fastmath={"reassoc", "contract"})
+def _cross_sums(wa, wb, cw, vq, n, wx):
+    """Row ``wx = (1-pi) w_a w_b`` of a head pair and its sums ``sum wx``,
+    ``sum wx v^T Gamma_ab v``."""
+    s0 = 0.0
+    s1 = 0.0
+    for j in range(n):
+        v = cw[j] * np.float64(wa[j]) * np.float64(wb[j])
+        wx[j] = v
+        s0 += v
+        s1 += v * vq[j]
+    return s0, s1
 
 
 @nb.njit(cache=True)
