@@ -5,15 +5,19 @@ a policy's Hájek weight of a kept token is just ``E / pi``: no logits and no ex
 recomputed per policy or seed. For one (iteration, KV head, event) *unit* the kernel
 
 1. gathers the kept tokens (tail ``pi < 1`` first, then take-all, each in position order),
-2. builds the weight matrices of the group's heads and the event's queries (rows) over kept
-   tokens (columns): ``w``, ``(1-pi) w^2`` and, for the output-space certificate,
-   ``(1-pi) w_a w_b`` across the group's head pairs,
+2. builds the weight matrices of the group's heads and the event's queries (rows) over the
+   kept *tail* tokens (columns): ``w``, ``(1-pi) w^2`` and, for the output-space certificate,
+   ``(1-pi) w_a w_b`` across the group's head pairs; the take-all part of the estimate
+   (``sum_{pi >= 1} E v`` and ``sum E``) is the event's, computed once for all seeds by
+   :func:`tracesim.kernels.replay_events.take_all_kernel` (only a fixed-size mask that drops
+   a take-all token falls back to the whole kept set),
 3. multiplies them with the kept values (BLAS dgemm, one thread per iteration), and
 4. finishes each row: estimate, error, certificates, coverage, oracle diagnostics.
 
 Certificates use the running sums ``S2 - 2 o.S1 + |o|^2 S0`` (see ``tracesim.estimators``);
 the output-space certificate expands ``|sum_h a_h W_h (v - o_h)|^2`` with the Gram blocks
-``W_a^T W_b`` so no per-token vector of the hidden size is ever formed.
+``W_a^T W_b`` so no per-token vector of the hidden size is ever formed, and the layer error
+``|W_O (o_hat - o)|^2`` is ``|R (o_hat - o)|^2`` with ``R`` the triangular factor of ``W_O``.
 
 Each iteration writes only its own output slots and calls BLAS single-threaded (the caller
 sets the BLAS thread limit), so results are bit-identical for any number of numba threads and
