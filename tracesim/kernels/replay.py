@@ -5,15 +5,19 @@ a policy's Hájek weight of a kept token is just ``E / pi``: no logits and no ex
 recomputed per policy or seed. For one (iteration, KV head, event) *unit* the kernel
 
 1. gathers the kept tokens (tail ``pi < 1`` first, then take-all, each in position order),
-2. builds the weight matrices of the group's heads and the event's queries (rows) over kept
-   tokens (columns): ``w``, ``(1-pi) w^2`` and, for the output-space certificate,
-   ``(1-pi) w_a w_b`` across the group's head pairs,
+2. builds the weight matrices of the group's heads and the event's queries (rows) over the
+   kept *tail* tokens (columns): ``w``, ``(1-pi) w^2`` and, for the output-space certificate,
+   ``(1-pi) w_a w_b`` across the group's head pairs; the take-all part of the estimate
+   (``sum_{pi >= 1} E v`` and ``sum E``) is the event's, computed once for all seeds by
+   :func:`tracesim.kernels.replay_events.take_all_kernel` (only a fixed-size mask that drops
+   a take-all token falls back to the whole kept set),
 3. multiplies them with the kept values (BLAS dgemm, one thread per iteration), and
 4. finishes each row: estimate, error, certificates, coverage, oracle diagnostics.
 
 Certificates use the running sums ``S2 - 2 o.S1 + |o|^2 S0`` (see ``tracesim.estimators``);
 the output-space certificate expands ``|sum_h a_h W_h (v - o_h)|^2`` with the Gram blocks
-``W_a^T W_b`` so no per-token vector of the hidden size is ever formed.
+``W_a^T W_b`` so no per-token vector of the hidden size is ever formed, and the layer error
+``|W_O (o_hat - o)|^2`` is ``|R (o_hat - o)|^2`` with ``R`` the triangular factor of ``W_O``.
 
 Each iteration writes only its own output slots and calls BLAS single-threaded (the caller
 sets the BLAS thread limit), so results are bit-identical for any number of numba threads and
@@ -51,8 +55,8 @@ _NS = 10
 
 @nb.njit(cache=True)
 def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, kept_idx,
-          mt, m, kb, ex, event, corrected, certify, fixed_var, z_wald, t_table, gam, gamt,
-          vqg, pidx, use_os, want_trv2, stats, top, out_it, err, lcert):
+          mt, m, kb, ex, event, corrected, certify, fixed_var, z_wald, t_table, gblk,
+          vqg, pidx, use_os, want_trv2, stats, top, xta, zta, nta, out_it, errT, lcert):
     nqe = qrows.size
     d = Vg.shape[1]
     R = nqe * G
@@ -64,7 +68,15 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
         inv[j] = 1.0 / pv if corrected else 1.0
         piv[j] = pv if corrected else 1.0
         cw[j] = 1.0 - pv if pv < 1.0 else 0.0
-    We, Vk, X, Z = estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv)
+    # When every take-all token is kept (always, except for a fixed-size mask that drops one)
+    # the take-all part of X and Z is the event's, shared by all seeds: only the sampled tail
+    # is this seed's own work. Take-all columns of We and Vk are not needed beyond X and Z.
+    shared = m - mt == nta
+    We, Vk, X, Z = estimate_block(E, Vg, qrows, g, G, kept_idx, mt if shared else m, inv)
+    if shared:
+        for a in range(nqe):
+            for hh in range(G):
+                Z[a * G + hh] += zta[j0 + a, g * G + hh]
     sc = np.zeros((R, _NS))
     kmass = np.zeros(R)
     tail = certify and mt > 0
@@ -74,52 +86,48 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
     # Cross-pair rows (output space) then fixed-size centring rows share one GEMM with V.
     Wxf = np.empty(((nqe * npx if tail else 0) + nf, mt), Vg.dtype)
     sx = np.zeros((nqe * npx, 2))
+    # Per-token constants of the kept tail, gathered once per unit (contiguous for the sums).
+    vnk = np.empty(mt if tail else 0)
+    vqk = np.empty((vqg.shape[0], mt if (tail and use_os) else 0))
+    if tail:
+        for j in range(mt):
+            vnk[j] = vn2g[kept_idx[j]]
+        if use_os:
+            for i in range(vqg.shape[0]):
+                for j in range(mt):
+                    vqk[i, j] = vqg[i, kept_idx[j]]
     for a in range(nqe):
         q = qrows[a]
         t = qpos[q]
+        # Tail tokens are in position order: the query sees the first nv of them.
+        nv = np.searchsorted(kept_idx[:mt], t, side="right")
         for hh in range(G):
             r = a * G + hh
-            h = g * G + hh
             sc[r, _Z] = Z[r]
-            # Local accumulators: the compiler keeps them in registers (array slots it won't).
-            km = 0.0
-            n_t = 0.0
-            sw = 0.0
-            sw2 = 0.0
+            w = We[r]
+            km, sw, sw2 = _row_sums(w, piv, nv)
+            wmax = 0.0
+            for j in range(nv):
+                wmax = max(wmax, np.float64(w[j]))
             s_c = 0.0
             s_q = 0.0
             s_qg = 0.0
             s_cw = 0.0
             s_c1 = 0.0
-            wmax = 0.0
-            pd = pidx[hh, hh]
-            fr = nqe * npx + r
-            for j in range(mt):
-                p = kept_idx[j]
-                if p > t:
-                    if tail:
-                        Wd[r, j] = 0.0
-                        if fixed_var:
-                            Wxf[fr, j] = 0.0
-                    continue
-                w = We[r, j]
-                km += w * piv[j]
-                n_t += 1.0
-                sw += w
-                sw2 += w * w
-                if w > wmax:
-                    wmax = w
-                if tail:
-                    wd = cw[j] * w * w
-                    Wd[r, j] = wd
-                    s_c += wd
-                    s_q += wd * vn2g[p]
-                    if use_os:
-                        s_qg += wd * vqg[pd, p]
-                    if fixed_var:
-                        Wxf[fr, j] = cw[j] * w
-                        s_cw += cw[j] * w
+            if tail:
+                s_c, s_q, s_qg = _tail_sums(w, cw, vnk, vqk[pidx[hh, hh]], nv, use_os, Wd[r])
+                for j in range(nv, mt):
+                    Wd[r, j] = 0.0
+                if fixed_var:
+                    fr = nqe * npx + r
+                    for j in range(nv):
+                        cwj = cw[j] * w[j]
+                        Wxf[fr, j] = cwj
+                        s_cw += cwj
                         s_c1 += cw[j]
+                    for j in range(nv, mt):
+                        Wxf[fr, j] = 0.0
+            n_t = float(nv)
             kmass[r] = km
             sc[r, _MT] = n_t
             sc[r, _SW] = sw
@@ -138,11 +146,9 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
                     ra = a * G + ha
                     rb = a * G + hb
                     pq = pidx[ha, hb]
-                    for j in range(mt):
-                        wx = cw[j] * We[ra, j] * We[rb, j]
-                        Wxf[rx, j] = wx
-                        sx[rx, 0] += wx
-                        sx[rx, 1] += wx * vqg[pq, kept_idx[j]]
+                    s0, s1 = _cross_sums(We[ra], We[rb], cw, vqk[pq], mt, Wxf[rx])
+                    sx[rx, 0] = s0
+                    sx[rx, 1] = s1
                     x += 1
     if tail:
         # One GEMM gives both sum (1-pi) w^2 v and sum (1-pi) w^2 v^2 (Wald diagonal).
@@ -172,9 +178,10 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
             e2 = 0.0
             n2 = 0.0
             for k in range(d):
-                est[hh, k] = X[r, k] / Z[r]
+                xs = xta[j0 + a, h, k] if shared else 0.0
+                est[hh, k] = (X[r, k] + xs) / Z[r]
                 dk = est[hh, k] - truth[h, q, k]
-                err[q, h * d + k] = dk
+                errT[h * d + k, q] = dk
                 e2 += dk * dk
                 n2 += truth[h, q, k] * truth[h, q, k]
             o[F_ERR2] = e2
@@ -257,7 +264,60 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
                                       if fixed_var else mu, kept_idx, mt, t, fixed_var,
                                       mr) if (tail and mr > 0) else 0.0
     if certify and use_os and tail:
-        _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gam, gamt, pidx, lcert)
+        _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gblk, lcert)
+
+
+@nb.njit(cache=True, fastmath={"reassoc", "contract"})
+def _row_sums(w, piv, n):
+    """``(sum w exp-mass, sum w, sum w^2)`` over the first ``n`` weights of a row."""
+    km = 0.0
+    sw = 0.0
+    sw2 = 0.0
+    for j in range(n):
+        x = np.float64(w[j])
+        km += x * piv[j]
+        sw += x
+        sw2 += x * x
+    return km, sw, sw2
+
+
+@nb.njit(cache=True, fastmath={"reassoc", "contract"})
+def _tail_sums(w, cw, vnk, vqd, n, use_os, wd):
+    """Row ``wd = (1-pi) w^2`` of the certificate's GEMM and its sums ``sum wd``,
+    ``sum wd |v|^2`` and (output space) ``sum wd v^T Gamma_aa v``."""
+    s_c = 0.0
+    s_q = 0.0
+    s_qg = 0.0
+    if use_os:
+        for j in range(n):
+            x = np.float64(w[j])
+            v = cw[j] * x * x
+            wd[j] = v
+            s_c += v
+            s_q += v * vnk[j]
+            s_qg += v * vqd[j]
+    else:
+        for j in range(n):
+            x = np.float64(w[j])
+            v = cw[j] * x * x
+            wd[j] = v
+            s_c += v
+            s_q += v * vnk[j]
+    return s_c, s_q, s_qg
+
+
+@nb.njit(cache=True, fastmath={"reassoc", "contract"})
+def _cross_sums(wa, wb, cw, vq, n, wx):
+    """Row ``wx = (1-pi) w_a w_b`` of a head pair and its sums ``sum wx``,
+    ``sum wx v^T Gamma_ab v``."""
+    s0 = 0.0
+    s1 = 0.0
+    for j in range(n):
+        v = cw[j] * np.float64(wa[j]) * np.float64(wb[j])
+        wx[j] = v
+        s0 += v
+        s1 += v * vq[j]
+    return s0, s1
 
 
 @nb.njit(cache=True)
@@ -287,57 +347,89 @@ def _trace_sq(w, z, cw, Vk, est, mu, kept_idx, mt, t, fixed_var, mr):
 
 
 @nb.njit(cache=True)
-def _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gam, gamt, pidx, lcert):
+def _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gblk, lcert):
     """Add ``sum_{i in S} (1-pi_i) |sum_h a_hi W_h (v_i - o_h)|^2`` of each block query to
-    ``lcert``; the Gram products ``Gamma_ab o_b`` and ``Gamma_ab^T o_a`` are small GEMMs."""
+    ``lcert``. The Gram products ``Gamma_ab o_b`` of every ordered head pair come from one GEMM
+    per head b, ``o_b^T [Gamma_b0 ... Gamma_b,G-1]`` (``gblk[b]``: row block b of the group's
+    ``W_g^T W_g``)."""
     nqe = qrows.size
     d = est3.shape[2]
+    pg = np.empty((G, nqe, G * d))
+    for hb in range(G):
+        pg[hb] = np.dot(est3[hb], gblk[hb])  # pg[b][a, ha*d + k] = (Gamma_{ha,b} o_b)_k
+    x = G  # cross pairs are stored after the G diagonal pairs
     for ha in range(G):
         for hb in range(ha, G):
-            pq = pidx[ha, hb]
-            b1 = np.dot(est3[hb], gamt[pq])  # rows: (Gamma_ab o_b)^T
-            b2 = np.dot(est3[ha], gam[pq])  # rows: (Gamma_ab^T o_a)^T
-            mult = 1.0 if ha == hb else 2.0
+            cross = ha != hb
+            mult = 2.0 if cross else 1.0
+            ca = ha * d  # (Gamma_ab o_b) in pg[hb]; (Gamma_ab^T o_a) = (Gamma_ba o_a) in pg[ha]
+            cb = hb * d
             for a in range(nqe):
                 ra = a * G + ha
                 rb = a * G + hb
-                if ha == hb:
+                if cross:
+                    s_ab = sx[a * npx + x - G, 0]
+                    term = sx[a * npx + x - G, 1]
+                else:
                     s_ab = sc[ra, _SC]
                     term = sc[ra, _QG]
-                else:
-                    x = a * npx + pq - G  # cross pairs are stored after the G diagonal pairs
-                    s_ab = sx[x, 0]
-                    term = sx[x, 1]
                 quad = 0.0
+                xr = a * npx + x - G
                 for k in range(d):
-                    tv = TD[ra, k] if ha == hb else XF[a * npx + pq - G, k]
-                    term -= tv * (b1[a, k] + b2[a, k])
-                    quad += est3[ha, a, k] * b1[a, k]
+                    tv = XF[xr, k] if cross else TD[ra, k]
+                    b1 = pg[hb, a, ca + k]
+                    term -= tv * (b1 + pg[ha, a, cb + k])
+                    quad += est3[ha, a, k] * b1
                 term += s_ab * quad
                 lcert[qrows[a]] += mult * term / (Z[ra] * Z[rb])
+            if cross:
+                x += 1
+
+
+@nb.njit(cache=True)
+def _layer_error(errT, rpack, roff, rstart, lerr):
+    """``lerr[q] = |W_O err_q|^2 = |R err_q|^2`` with ``R`` the triangular factor of
+    ``W_O = Q R``: one GEMM per row block ``c`` of ``R`` over its non-zero columns ``[r0, Hd)``
+    (about half the multiply-adds of ``W_O err``). ``errT`` (Hd, NQ); ``rpack`` holds the
+    blocks ``R[r0:r1, r0:]`` row-major at offsets ``roff``, row starts ``rstart``."""
+    Hd, NQ = errT.shape
+    flat = errT.ravel()
+    for q in range(NQ):
+        lerr[q] = 0.0
+    for c in range(rstart.size - 1):
+        r0 = rstart[c]
+        r1 = rstart[c + 1]
+        Rc = rpack[roff[c]:roff[c + 1]].reshape((r1 - r0, Hd - r0))
+        Y = np.dot(Rc, flat[r0 * NQ:].reshape((Hd - r0, NQ)))
+        for i in range(r1 - r0):
+            for q in range(NQ):
+                y = np.float64(Y[i, q])
+                lerr[q] += y * y
 
 
 @nb.njit(cache=True, parallel=True)
 def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev, kmask,
-                  u, it_cfg, it_seed, it_slot, it_kslot, flags, z_wald, t_table, gam, gamt, vq,
-                  pidx, wo_t, want_trv2, stats, top, out, lout):
+                  u, it_cfg, it_seed, it_slot, it_kslot, flags, z_wald, t_table, gblk, vq,
+                  pidx, rpack, roff, rstart, want_trv2, stats, top, xta, zta, nta, out, lout):
     """Replay every iteration (policy, seed) over one layer; see the module docstring.
 
     Shapes: ``E`` (H, NQ, P); ``zfull`` (H, NQ); ``V`` (n_kv, P, d); ``vn2`` (n_kv, P) = ``|v|^2``;
     ``truth`` (H, NQ, d); ``qpos`` (NQ,); ``pi`` (n_events, n_kv, P); ``kmask`` (>=1, n_kv, P);
     ``u`` (S, n_kv, P); ``flags`` (n_cfg, 3) = (corrected, certify, fixed variance);
-    ``t_table`` (P + 2,) Student quantiles by tail size; ``gam`` (n_kv, n_pairs, d, d) (and
-    its transpose ``gamt``) and
-    ``vq`` (n_kv, n_pairs, P) for the output space (``wo_t`` (H*d, hidden), empty rows = off);
+    ``t_table`` (P + 2,) Student quantiles by tail size; for the output space ``gblk``
+    (n_kv, G, d, G*d): row blocks of each group's ``W_g^T W_g``, ``vq`` (n_kv, n_pairs, P),
+    and the layer error's packed triangular factor ``rpack``/``roff``/``rstart``
+    (:func:`_layer_error`; empty ``rpack`` = off);
     ``pidx`` (G, G) pair index (diagonal pairs 0..G-1, then cross pairs); ``stats`` and
-    ``top`` from :func:`tracesim.kernels.replay_events.event_stats_kernel`;
+    ``top`` from :func:`tracesim.kernels.replay_events.event_stats_kernel`; ``xta``, ``zta``
+    and ``nta`` from :func:`tracesim.kernels.replay_events.take_all_kernel`;
     ``out`` (n_iter, H, NQ, N_FIELDS); ``lout`` (n_iter, NQ, N_LAYER_FIELDS).
     """
     H, NQ, P = E.shape
     n_kv = V.shape[0]
     d = V.shape[2]
     G = H // n_kv
-    use_os = wo_t.shape[0] > 0
+    use_os = rpack.size > 0
     for it in nb.prange(it_cfg.size):
         c = it_cfg[it]
         corrected = flags[c, 0] == 1
@@ -346,7 +438,7 @@ def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev
         s = it_seed[it]
         slot = it_slot[it]
         ks = it_kslot[it]
-        err = np.zeros((NQ, H * d), wo_t.dtype)
+        errT = np.zeros((H * d, NQ), rpack.dtype)
         lcert = np.zeros(NQ)
         keptflag = np.empty(P, dtype=np.bool_)
         kept_idx = np.empty(P, dtype=np.int64)
@@ -359,16 +451,14 @@ def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev
                                             tau[e], keptflag, kept_idx)
                 _unit(E, zfull, V[g], vn2[g], truth, qpos, qrows, ev_qptr[e], g, G,
                       pi[e, g], keptflag, kept_idx, mt, m, kb, ex, e - slot_ev[slot],
-                      corrected, certify, fixed_var, z_wald, t_table, gam[g], gamt[g], vq[g],
-                      pidx, use_os, want_trv2, stats, top, out[it], err, lcert)
+                      corrected, certify, fixed_var, z_wald, t_table, gblk[g], vq[g],
+                      pidx, use_os, want_trv2, stats, top, xta, zta, nta[e, g], out[it], errT,
+                      lcert)
         if use_os:
-            Y = np.dot(err, wo_t)
+            lerr = np.empty(NQ)
+            _layer_error(errT, rpack, roff, rstart, lerr)
             for q in range(NQ):
-                acc = 0.0
-                for k in range(Y.shape[1]):
-                    y = np.float64(Y[q, k])
-                    acc += y * y
-                lout[it, q, L_ERR2] = acc
+                lout[it, q, L_ERR2] = lerr[q]
                 lout[it, q, L_CERT2] = lcert[q] if certify else np.nan
         else:
             for q in range(NQ):

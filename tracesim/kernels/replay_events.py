@@ -273,3 +273,58 @@ def largest_sampled_out(E, h, q, t, zf, prow, keptflag, top_row, n_elig):
         if 0.0 < prow[p] < 1.0 and not keptflag[p]:
             best = max(best, E[h, q, p] / zf)
     return best
+
+
+@nb.njit(cache=True)
+def _take_all_job(job, E, V, pi, ev_qptr, ev_q, G, xta, zta, nta):
+    n_kv = V.shape[0]
+    e = job // n_kv
+    g = job % n_kv
+    prow = pi[e, g]
+    P = prow.size
+    idx = np.empty(P, dtype=np.int64)
+    n = 0
+    for p in range(P):
+        if prow[p] >= 1.0:
+            idx[n] = p
+            n += 1
+    nta[e, g] = n
+    qrows = ev_q[ev_qptr[e]:ev_qptr[e + 1]]
+    if qrows.size == 0:
+        return
+    inv = np.ones(n)
+    _, _, X, Z = estimate_block(E, V[g], qrows, g, G, idx, n, inv)
+    d = V.shape[2]
+    for a in range(qrows.size):
+        for hh in range(G):
+            r = a * G + hh
+            for k in range(d):
+                xta[ev_qptr[e] + a, g * G + hh, k] = X[r, k]
+            zta[ev_qptr[e] + a, g * G + hh] = Z[r]
+
+
+@nb.njit(cache=True, parallel=True)
+def _take_all_par(E, V, pi, ev_qptr, ev_q, G, xta, zta, nta):
+    for job in nb.prange((ev_qptr.size - 1) * V.shape[0]):
+        _take_all_job(job, E, V, pi, ev_qptr, ev_q, G, xta, zta, nta)
+
+
+@nb.njit(cache=True)
+def _take_all_ser(E, V, pi, ev_qptr, ev_q, G, xta, zta, nta):
+    for job in range((ev_qptr.size - 1) * V.shape[0]):
+        _take_all_job(job, E, V, pi, ev_qptr, ev_q, G, xta, zta, nta)
+
+
+def take_all_kernel(E, V, pi, ev_qptr, ev_q, G, xta, zta, nta) -> None:
+    """The take-all (pi >= 1) part of every event's estimates, shared by all seeds.
+
+    ``xta`` (n_event_queries, H, d) and ``zta`` (n_event_queries, H): numerator
+    ``sum_{pi_i >= 1} exp(s_i) v_i`` and normaliser ``sum_{pi_i >= 1} exp(s_i)`` through
+    :func:`estimate_block` (so a policy that keeps everything reproduces the truth bit for bit);
+    ``nta`` (n_events, n_kv): the number of take-all tokens. Every seed keeps all of them (the
+    rule ``u < pi`` and the fixed-size masks both do), so the per-seed kernel only adds its
+    sampled tail.
+    """
+    work = ev_q.size * E.shape[0] * E.shape[2] * V.shape[2]
+    (_take_all_ser if work < SERIAL_BELOW else _take_all_par)(E, V, pi, ev_qptr, ev_q, G, xta,
+                                                              zta, nta)
