@@ -101,11 +101,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def summary_table(table: pa.Table) -> str:
     """Mean error, certificate and coverage per policy, as aligned text."""
-    g = table.group_by(["config_id", "score", "design", "correction", "budget"]).aggregate([
-        ("err2", "mean"), ("rel_err", "mean"), ("cert2", "mean"), ("wald_cov", "mean"),
-        ("wald_t_cov", "mean"), ("kept_tokens", "mean"), ("nominal_tokens", "mean"),
-        ("evicted_mass", "mean"), ("n_seeds", "max"), ("err2", "count")])
-    g = g.sort_by([("score", "ascending"), ("budget", "ascending"), ("design", "ascending")])
+    import pyarrow.compute as pc  # not Table.group_by: Acero pulls in pyarrow.dataset and pandas
+
+    means = ("err2", "rel_err", "cert2", "wald_cov", "wald_t_cov", "kept_tokens",
+             "nominal_tokens", "evicted_mass")
+    from tracesim.columns import to_arrow
+
+    # Row indices built from numpy buffers: converting Python values would import pandas too.
+    groups: dict[str, list[int]] = {}
+    for i, cid in enumerate(table["config_id"].to_pylist()):
+        groups.setdefault(cid, []).append(i)
+    rows = []
+    for idx in groups.values():
+        sub = table.take(to_arrow("index", np.asarray(idx, dtype=np.int64), pa.int64()))
+        row = {k: sub[k][0].as_py() for k in ("score", "design", "correction", "budget")}
+        row.update({f"{k}_mean": pc.mean(sub[k]).as_py() for k in means})
+        row.update(n_seeds_max=pc.max(sub["n_seeds"]).as_py(),
+                   err2_count=pc.count(sub["err2"]).as_py())
+        rows.append(row)
+    rows.sort(key=lambda r: (r["score"], r["budget"] is None, r["budget"] or 0.0, r["design"]))
     head = (f"{'score':<10} {'design':<9} {'corr':<5} {'budget':>6} {'kept':>7} {'err2':>10} "
             f"{'rel_err':>8} {'cert2':>10} {'wald':>6} {'wald_t':>6} {'evict':>6} "
             f"{'seeds':>5} {'rows':>6}")
@@ -117,7 +131,7 @@ def summary_table(table: pa.Table) -> str:
             return "-".rjust(width)
         return format(v, fmt)
 
-    for r in g.to_pylist():
+    for r in rows:
         lines.append(
             f"{r['score']:<10} {r['design']:<9} {r['correction']:<5} "
             f"{num(r['budget'], '6.3g')} {num(r['kept_tokens_mean'], '7.1f')} "
