@@ -165,7 +165,7 @@ def tiers_tables(df: pd.DataFrame) -> tuple[str, str]:
         stall_ms=("stall_ms", "mean"), recovered_per_gb=("recovered_per_gb", "mean"),
         recovered_per_ms=("recovered_per_ms", "mean"))
     tests = []
-    for s in ("certificate_page", "certificate", "bound"):
+    for s in ("certificate_bound", "certificate_page", "certificate", "bound"):
         t = compare_schedulers(curves, s, ("random", "confidence"))
         if not t.empty:
             t.insert(0, "scheduler", s)

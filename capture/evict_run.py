@@ -354,7 +354,8 @@ def register(subparsers: Any) -> None:
                    help="skip the per-layer output-space certificate (cheaper decode steps)")
     p.add_argument("--fetch", default=None, metavar="SCHEDULERS",
                    help="comma-separated fetch schedulers enforced in the loop at every decode "
-                   "step and layer: none, random, certificate, certificate_page, bound, oracle "
+                   "step and layer: none, random, certificate, certificate_page, "
+                   "certificate_bound, bound, oracle "
                    "(default: no fetching; one-shot policies only; docs/tiers.md)")
     p.add_argument("--fetch-budget", default=None, metavar="FRACTIONS",
                    help="comma-separated byte budgets per decode step and layer, fractions in "

@@ -44,7 +44,7 @@ def _prefilled(tiny_store, index: int = 0):
 
 
 @pytest.mark.parametrize(("design", "schedulers"), [
-    ("poisson", ("random", "certificate_page", "bound", "oracle")),
+    ("poisson", ("random", "certificate_page", "bound", "oracle", "certificate_bound")),
     ("topk", ("random", "bound"))])
 def test_zero_budget_is_plain_eviction_and_unlimited_is_the_full_cache(tiny_store, design,
                                                                         schedulers):
@@ -147,7 +147,7 @@ def _check_steps(trace, policy, seed, n_layers, fetch, res, outputs, steps) -> i
     return fetched
 
 
-SCHEDULERS = ["random", "certificate_page", "certificate", "bound", "oracle"]
+SCHEDULERS = ["random", "certificate_page", "certificate", "bound", "oracle", "certificate_bound"]
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)

@@ -57,9 +57,9 @@ def _both(trace, policy, seeds, memory, schedulers=SCHEDULERS, budgets=BUDGETS, 
 
 def test_scheduler_codes_follow_the_scheduler_names():
     assert [kt.S_NONE, kt.S_RANDOM, kt.S_CONFIDENCE, kt.S_CERTIFICATE, kt.S_CERTIFICATE_PAGE,
-            kt.S_BOUND, kt.S_ORACLE] == [SCHEDULERS.index(s) for s in (
+            kt.S_BOUND, kt.S_ORACLE, kt.S_CERTIFICATE_BOUND] == [SCHEDULERS.index(s) for s in (
                 "none", "random", "confidence", "certificate", "certificate_page", "bound",
-                "oracle")]
+                "oracle", "certificate_bound")]
 
 
 @pytest.mark.parametrize("page", [1, 4, 16])

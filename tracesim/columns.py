@@ -106,7 +106,8 @@ COLUMN_DOCS: dict[str, str] = {
     "decode_seconds": "wall time of the decode (s)",
     # evict outcomes with in-loop fetches (tracesim evict --fetch); null without fetching
     "fetch_scheduler": "fetch scheduler enforced in the loop (none, random, certificate, "
-                       "certificate_page, bound, oracle); null without fetching or for a "
+                       "certificate_page, certificate_bound, bound, oracle); null without "
+                       "fetching or for a "
                        "policy that evicts nothing",
     "fetch_budget": "byte budget per decode step and layer, fraction of the layer's evicted "
                     "bytes (1 = every evicted page); null without fetching",

@@ -26,7 +26,8 @@ import numba as nb
 import numpy as np
 
 #: Scheduler codes: the index of the name in :data:`tracesim.tiers.schedulers.SCHEDULERS`.
-S_NONE, S_RANDOM, S_CONFIDENCE, S_CERTIFICATE, S_CERTIFICATE_PAGE, S_BOUND, S_ORACLE = range(7)
+(S_NONE, S_RANDOM, S_CONFIDENCE, S_CERTIFICATE, S_CERTIFICATE_PAGE, S_BOUND, S_ORACLE,
+ S_CERTIFICATE_BOUND) = range(8)
 #: Layers whose work (multiply-adds over steps x positions x query heads x head dim) is below
 #: this run serially: a parallel region costs more than it saves on tiny layers.
 SERIAL_BELOW = 1 << 22
@@ -268,6 +269,12 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
         npages[g] = pg_off[g + 1] - pg_off[g]
         for p in range(pg_off[g], pg_off[g + 1]):
             btot[g] += bterm[p]
+    # Layer totals of the page certificate terms and page bounds (certificate_bound).
+    pctot = 0.0
+    bsum = 0.0
+    for p in range(NP):
+        pctot += pc[p]
+        bsum += bterm[p]
     prio = np.empty(NP)
     key = np.empty(nc)
     cum = np.empty(nc)
@@ -296,6 +303,9 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
             elif code == S_CERTIFICATE_PAGE:
                 frac = bterm[p] / btot[g] if btot[g] > 0 else 0.0
                 prio[p] = pc[p] + 1e-9 * c2[g] * frac
+            elif code == S_CERTIFICATE_BOUND:
+                prio[p] = (pc[p] / pctot if pctot > 0 else 0.0) + (
+                    bterm[p] / bsum if bsum > 0 else 0.0)
         n_order = 0 if code == S_NONE else nc
         if n_order:
             for c in range(nc):

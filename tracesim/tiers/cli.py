@@ -18,11 +18,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "tiers", help="simulate certificate-scheduled fetches from DRAM/NVMe tiers",
         description="Replay fetch schedulers (none, random, confidence, certificate, "
-        "certificate_page, "
-        "bound, oracle) over a trace store: tokens a base eviction policy drops live in pages in "
-        "lower memory tiers, and at every decode step each scheduler fetches pages within a "
-        "byte budget. Writes DIR/tiers.parquet (one row per sequence, layer, head, step, "
-        "scheduler and fetch budget) and DIR/summary.json; resumable. See docs/tiers.md.",
+        "certificate_page, certificate_bound, bound, oracle) over a trace store: tokens a base "
+        "eviction policy drops live in pages in lower memory tiers, and at every decode step "
+        "each scheduler fetches pages within a byte budget. Writes DIR/tiers.parquet (one row "
+        "per sequence, layer, head, step, scheduler and fetch budget) and DIR/summary.json; "
+        "resumable. See docs/tiers.md.",
         epilog=EXAMPLE)
     p.add_argument("store", metavar="STORE", nargs="?", default=None,
                    help="trace store directory (default: the spec's 'store')")

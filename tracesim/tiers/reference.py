@@ -100,6 +100,7 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
         for a, qi in enumerate(qidx):
             t = int(qpos[a])
             prio = {s: np.zeros(all_bytes.size) for s in schedulers}
+            pc_all, b_all = np.zeros(all_bytes.size), np.zeros(all_bytes.size)
             base_num, base_den, page_num, page_den, truth = [], [], [], [], []
             kept_tokens = 0
             n_visible = []
@@ -165,7 +166,7 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                 sl = slice(offsets[g], offsets[g + 1])
                 if "oracle" in prio:
                     prio["oracle"][sl] = (pd / e.sum(axis=0)).sum(axis=1)
-                if "bound" in prio or "certificate" in prio or "certificate_page" in prio:
+                if {"bound", "certificate", "certificate_page", "certificate_bound"} & set(prio):
                     eK = e[km]
                     E_R = eK.sum(axis=0)
                     o_R = (eK.T @ V[km]) / E_R[:, None]
@@ -183,7 +184,7 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                         frac = bterm / tot if tot > 0 else np.full(bterm.size, 1.0 / max(
                             1, bterm.size))
                         prio["certificate"][sl] = c2.sum() * frac
-                    if "certificate_page" in prio:
+                    if "certificate_page" in prio or "certificate_bound" in prio:
                         # the page's share of the certificate: its sampled tokens' terms
                         slot = np.searchsorted(hp.page_id, tail_pos // memory.page)
                         ok = (slot < hp.page_id.size) & (hp.page_id[np.minimum(
@@ -193,12 +194,22 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                         np.add.at(pc, slot[ok], contrib.sum(axis=1)[ok])
                         tot = bterm.sum()
                         frac = bterm / tot if tot > 0 else np.zeros(bterm.size)
-                        prio["certificate_page"][sl] = pc + 1e-9 * c2.sum() * frac
+                        if "certificate_page" in prio:
+                            prio["certificate_page"][sl] = pc + 1e-9 * c2.sum() * frac
+                        if "certificate_bound" in prio:
+                            pc_all[sl], b_all[sl] = pc, bterm
                 if "random" in prio or "confidence" in prio:
                     r = random_priority(int(seed), trace.layer, g, a, hp.page_id)
                     for s_name in ("random", "confidence"):
                         if s_name in prio:
                             prio[s_name][sl] = r
+            if "certificate_bound" in prio:
+                # the page's share of the layer's certificate plus its share of the layer's bound
+                # (sequential sums, in the kernel's order)
+                ct = float(np.cumsum(pc_all)[-1]) if pc_all.size else 0.0
+                bt = float(np.cumsum(b_all)[-1]) if b_all.size else 0.0
+                prio["certificate_bound"] = (pc_all / ct if ct > 0 else 0.0 * pc_all) + (
+                    b_all / bt if bt > 0 else 0.0 * b_all)
             total = all_bytes.sum()
             # Pages a query cannot see yet (none for decode steps of one-shot eviction) never go.
             visible = np.concatenate([np.arange(hp.page_id.size) < nv

@@ -32,7 +32,12 @@ from tracesim.prn import permanent_uniforms
 from tracesim.replay.engine import evaluated_queries
 from tracesim.replay.kept import event_inclusion
 from tracesim.tiers.model import MemoryModel
-from tracesim.tiers.schedulers import SCHEDULERS, STREAM_FETCH, confidence_weights
+from tracesim.tiers.schedulers import (
+    CERTIFIED_SCHEDULERS,
+    SCHEDULERS,
+    STREAM_FETCH,
+    confidence_weights,
+)
 
 __all__ = ["check_inputs", "layer_memory_model", "simulate_layer", "step_logprobs",
            "to_columns"]
@@ -70,9 +75,10 @@ def check_inputs(trace: LayerTrace, policy: Policy, schedulers: tuple[str, ...],
     if policy.schedule.kind != "oneshot":
         raise ValueError(f"policy {policy.id}: tiers simulates one-shot eviction only "
                          "(schedule: oneshot)")
-    if ("certificate" in schedulers or "certificate_page" in schedulers) and not policy.certified:
-        raise ValueError(f"scheduler 'certificate' needs a certified base policy (randomized "
-                         f"design with the Hájek correction); {policy.id} is not")
+    if CERTIFIED_SCHEDULERS & set(schedulers) and not policy.certified:
+        raise ValueError(f"schedulers {sorted(CERTIFIED_SCHEDULERS & set(schedulers))} need a "
+                         f"certified base policy (randomized design with the Hájek correction); "
+                         f"{policy.id} is not")
     if not any(r == "decode" for r in trace.query_roles):
         raise ValueError(f"sequence {trace.sequence_id!r} stores no decode query: tiers "
                          "simulates decode steps")
@@ -171,7 +177,8 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
     conf_w = confidence_weights(step_logprobs(trace, qpos))
     layer_memory = layer_memory_model(memory, n_layers)
     sched = np.array([SCHEDULERS.index(s) for s in schedulers], dtype=np.int64)
-    need_bound = bool({"bound", "certificate", "certificate_page"} & set(schedulers))
+    need_bound = bool({"bound", "certificate", "certificate_page", "certificate_bound"}
+                      & set(schedulers))
     need_random = bool({"random", "confidence"} & set(schedulers))
     K = np.ascontiguousarray(trace.keys, dtype=np.float64)
     V = np.ascontiguousarray(trace.values, dtype=np.float64)

@@ -38,7 +38,8 @@ __all__ = ["INLOOP_SCHEDULERS", "LayerPages", "StepFetch", "layer_memory", "laye
 
 #: Schedulers the in-loop fetch enforces (``confidence`` needs the whole sequence's log-probs
 #: to normalise its per-step budgets, which a decode loop does not have).
-INLOOP_SCHEDULERS = ("none", "random", "certificate", "certificate_page", "bound", "oracle")
+INLOOP_SCHEDULERS = ("none", "random", "certificate", "certificate_page", "bound", "oracle",
+                     "certificate_bound")
 
 
 def layer_memory(memory: MemoryModel, n_layers: int) -> MemoryModel:
@@ -154,6 +155,7 @@ def step_priority(pages: LayerPages, scheduler: str, query: np.ndarray, keys: np
     G = query.shape[0] // n_kv
     page = pages.page
     prio = np.zeros(pages.page_bytes.size)
+    pc_all, b_all = np.zeros(prio.size), np.zeros(prio.size)
     for g in range(n_kv):
         sl = slice(pages.offsets[g], pages.offsets[g + 1])
         pid = pages.page_ids[g]
@@ -209,7 +211,7 @@ def step_priority(pages: LayerPages, scheduler: str, query: np.ndarray, keys: np
         elif scheduler == "certificate":
             frac = bterm / tot if tot > 0 else np.full(bterm.size, 1.0 / max(1, bterm.size))
             prio[sl] = c2.sum() * frac
-        elif scheduler == "certificate_page":
+        elif scheduler in ("certificate_page", "certificate_bound"):
             tp = tail_pos // page
             slot = np.searchsorted(pid, tp)
             ok = ((slot < pid.size) & (pid[np.minimum(slot, max(pid.size - 1, 0))] == tp)
@@ -218,8 +220,15 @@ def step_priority(pages: LayerPages, scheduler: str, query: np.ndarray, keys: np
             np.add.at(pc, slot[ok], contrib.sum(axis=1)[ok])
             frac = bterm / tot if tot > 0 else np.zeros(bterm.size)
             prio[sl] = pc + 1e-9 * c2.sum() * frac
+            pc_all[sl], b_all[sl] = pc, bterm
         else:
             raise ValueError(f"scheduler {scheduler!r}: expected one of {INLOOP_SCHEDULERS}")
+    if scheduler == "certificate_bound":
+        # the page's share of the layer's certificate plus its share of the layer's page bound
+        # (sequential sums, in the offline kernel's order)
+        ct = float(np.cumsum(pc_all)[-1]) if pc_all.size else 0.0
+        bt = float(np.cumsum(b_all)[-1]) if b_all.size else 0.0
+        prio = (pc_all / ct if ct > 0 else 0.0 * pc_all) + (b_all / bt if bt > 0 else 0.0 * b_all)
     return prio
 
 
