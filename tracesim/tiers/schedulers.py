@@ -15,6 +15,9 @@ step's byte budget is spent. All but ``oracle`` use only what a server has at th
   ``(1 - pi_i) a_i^2 |v_i - o_hat|^2`` of its *sampled* tokens summed over the group's query
   heads; pages without a sampled token follow in the ``certificate`` order. Needs a certified
   base policy.
+* ``certificate_bound``: the page's share of the layer's certificate (its ``certificate_page``
+  terms over their sum over every KV head of the layer) plus its share of the layer's page
+  bound (its ``bound`` term over their sum). Needs a certified base policy.
 * ``bound``: the page's term of the deterministic bound, summed over the group's query heads,
   ``n_p exp(u_p) (|c_p - o_R| + r_p) / E_R``.
 * ``oracle`` (not deployable): the softmax mass the page adds when fetched, summed over the
