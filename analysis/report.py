@@ -35,6 +35,7 @@ from analysis.claims_replay import (
     evaluate_c7,
     recompute_curves,
 )
+from analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch_outcomes
 from analysis.multiplicity import holm
 from analysis.prereg import Preregistration, check_prereg_hash, load_prereg
 from analysis.provenance import Provenance, collect_provenance
@@ -137,6 +138,9 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     empty = pd.DataFrame()
     res_df = results if results is not None else empty
     out_df = outcomes if outcomes is not None else empty
+    # In-loop fetch runs repeat every (policy, seed) once per fetch scheduler and budget: the
+    # outcome claims read plain eviction only (no fetching, or the `none` scheduler).
+    out_df, fetch_df = split_fetch_outcomes(out_df)
     if not res_df.empty:
         # First: a validity rule fitted on held-out sequences stops the report before any work.
         claims["C8"] = _c8(res_df, prereg, results_dir, frontier_dir, report)
@@ -194,6 +198,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         for cid in ("C3", "C4", "C6"):
             claims[cid] = ClaimResult(cid, prereg.claims[cid]["hypothesis"],
                                       detail="no in-loop outcomes given")
+    if not fetch_df.empty:
+        _add_fetch(report, fetch_df, out_df)
     if tiers_dir is not None:
         _add_tiers(report, tiers_dir)
     report.claims = [claims[c] for c in sorted(claims)]
@@ -235,6 +241,31 @@ _FRONTIER_CAPTION = (
     "The certificate frontier (tracesim frontier): memory against error and against coverage per "
     "score, design and budget; the table in the 'certificate frontier' section gives the "
     "values with cluster-robust intervals.")
+
+
+def _add_fetch(report: Report, fetch: pd.DataFrame, plain: pd.DataFrame) -> None:
+    """In-loop fetches: accuracy against bytes, and paired tests against ``random``."""
+    table = fetch_table(fetch)
+    report.tables["in-loop fetches: accuracy and bytes per scheduler and budget"] = \
+        table.round(4).to_string(index=False)
+    tests = []
+    for s in ("certificate_bound", "certificate_page", "certificate", "bound"):
+        t = compare_fetch(fetch, s, ("random",))
+        if not t.empty:
+            t.insert(0, "scheduler", s)
+            tests.append(t)
+    if tests:
+        report.tables["in-loop fetches: paired tests over sequences against random"] = (
+            pd.concat(tests).to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    full = plain.loc[plain["score"] == "full", "correct"] if "score" in plain else plain.iloc[:0]
+    report.add_figure("fetch", (fetch_figure(table, float(full.mean()) if len(full) else None),
+                                _FETCH_CAPTION))
+
+
+_FETCH_CAPTION = (
+    "In-loop fetches (tracesim evict --fetch): end-to-end accuracy against the bytes moved, as "
+    "a share of refetching every evicted page at every decode step and layer; the dotted line "
+    "is the full cache. The oracle (dashed) reads the true attention and is not deployable.")
 
 
 def _add_tiers(report: Report, tiers_dir: str | Path) -> None:
