@@ -16,12 +16,12 @@ totals (null for runs without fetching and for policies that evict nothing).
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from analysis.figures import _plt, _png
 from analysis.multiplicity import holm
 from analysis.tiers import _one_sided_p
 
@@ -108,11 +108,7 @@ def fetch_figure(table: pd.DataFrame, full_accuracy: float | None = None,
     ``table`` is :func:`fetch_table`'s output; one panel per base policy would crowd the
     report, so policies are told apart by the line label. Returns the PNG bytes.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for key, g in table.groupby(["score", "design", "fetch_scheduler"], dropna=False):
         g = g.sort_values("fetch_budget")
@@ -128,11 +124,7 @@ def fetch_figure(table: pd.DataFrame, full_accuracy: float | None = None,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, bbox_to_anchor=(1.02, 1), loc="upper left")
     ax.set_title("In-loop fetches (oracle dashed: not deployable)", fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    png = buf.getvalue()
+    png = _png(fig)
     if path is not None:
         Path(path).write_bytes(png)
     return png

@@ -16,7 +16,6 @@ steps share one context), then compared across sequences.
 
 from __future__ import annotations
 
-import io
 from itertools import product
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from analysis.figures import _plt, _png
 from analysis.multiplicity import holm
 
 __all__ = ["compare_schedulers", "scheduler_curves", "tiers_figure", "tiers_tables"]
@@ -117,11 +117,7 @@ def tiers_figure(curves: pd.DataFrame, path: str | Path | None = None) -> bytes:
 
     Returns the PNG bytes (also written to ``path`` when given).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     agg = (curves.groupby(["scheduler", "fetch_budget"])
            [["err2_before", "err2_after", "bytes_moved", "evicted_bytes", "stall_ms"]].sum()
            .reset_index())
@@ -147,10 +143,7 @@ def tiers_figure(curves: pd.DataFrame, path: str | Path | None = None) -> bytes:
     fig.suptitle(f"Fetch schedulers over {n_seq} sequences (oracle dashed: not deployable)",
                  fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    png = buf.getvalue()
+    png = _png(fig)
     if path is not None:
         Path(path).write_bytes(png)
     return png

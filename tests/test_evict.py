@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from capture.evict import decode_policy, failure_label, layer_plans, prefill_sequence
-from capture.models import LoadedModel, load_tokenizer, tiny_model
-from capture.runner import CaptureConfig, run_capture
+from tests.evict_fixtures import prefilled
 from tracesim import hajek_attention, output_space_certificate
 from tracesim.policies import make_policy
 from tracesim.replay import load_layer, replay
@@ -16,31 +15,6 @@ from tracesim.replay.kept import first_event_inclusion
 from tracesim.store import open_store
 
 pytestmark = pytest.mark.capture
-
-
-@pytest.fixture(scope="module")
-def tiny_store(tmp_path_factory) -> tuple[Path, LoadedModel]:
-    tok = load_tokenizer()
-    model = tiny_model("llama", seed=3, vocab_size=len(tok))
-    loaded = LoadedModel(model, tok, "tiny-llama")
-    out = tmp_path_factory.mktemp("evict") / "traces"
-    run_capture(loaded, ["passkey"], n=2, length=160, out=out, storage_dtype="float32",
-                config=CaptureConfig(window=8, max_new_tokens=6), progress=False)
-    return out, loaded
-
-
-
-def _prefilled(tiny_store, index: int = 0):
-    """(store, loaded model, sequence, meta, prompt length, prefill) of one stored sequence."""
-    path, loaded = tiny_store
-    store = open_store(path)
-    seq = store[store.sequence_ids[index]]
-    meta = seq.meta
-    P = int(meta["prompt_length"])
-    pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
-                           question_start=int(meta["question_start"]), window=8,
-                           scaling=store.model.scaling)
-    return store, loaded, seq, meta, P, pre
 
 
 @pytest.mark.parametrize(("score", "design"), [("snapkv", "topk"), ("h2o", "poisson"),
@@ -74,7 +48,7 @@ def test_simulator_and_model_agree_on_kept_sets_outputs_and_certificates(
     import capture.evict as ev
     from capture.enforce import EvictionState
 
-    store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
+    store, loaded, seq, meta, P, pre = prefilled(tiny_store)
     policy = make_policy(score, design, budget, score_params={"window": 8})
     seed = 5
     plans = layer_plans(pre.traces, policy, seed)
@@ -137,7 +111,7 @@ def test_simulator_and_model_agree_on_kept_sets_outputs_and_certificates(
 
 
 def test_per_head_kept_sets_differ_under_gqa(tiny_store):
-    store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
+    store, loaded, seq, meta, P, pre = prefilled(tiny_store)
     plans = layer_plans(pre.traces, make_policy("snapkv", "topk", 0.3,
                                                 score_params={"window": 8}), 0)
     kept = plans[0].kept.numpy()
@@ -149,7 +123,7 @@ def test_decode_schedule_holds_memory_at_the_budget(tiny_store):
     # Budgets are fractions of the context (the prompt), so under decode-time eviction 100% keeps
     # the whole prompt at the first event and then holds the cache at the prompt's size: every
     # later event evicts, in expectation, exactly the tokens generated since.
-    store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
+    store, loaded, seq, meta, P, pre = prefilled(tiny_store)
     n = len(meta["generated_ids"])
     policy = make_policy("h2o", "poisson", 1.0, schedule="decode:2", score_params={"window": 8})
     res = decode_policy(loaded.model, pre, layer_plans(pre.traces, policy, 0), n, set(),
@@ -171,7 +145,7 @@ def test_decode_schedule_replans_like_the_simulator(tiny_store, score, design):
     exactly what the replay engine keeps on the stored trace."""
     from tracesim.replay.inclusion import slot_events
 
-    store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
+    store, loaded, seq, meta, P, pre = prefilled(tiny_store)
     policy = make_policy(score, design, 0.6, schedule="decode:2", score_params={"window": 8})
     n = len(meta["generated_ids"])
     res = decode_policy(loaded.model, pre, layer_plans(pre.traces, policy, 3), n, set(),

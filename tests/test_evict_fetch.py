@@ -1,46 +1,20 @@
 """In-loop fetches (``tracesim evict --fetch``): zero and unlimited budgets, agreement with the
 offline tiers simulator on layer 0, outcome columns and option errors."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from capture.evict import decode_policy, layer_plans, prefill_sequence
+from capture.evict import decode_policy, layer_plans
 from capture.fetch import FetchConfig
-from capture.models import LoadedModel, load_tokenizer, tiny_model
-from capture.runner import CaptureConfig, run_capture
+from tests.evict_fixtures import prefilled
 from tracesim.policies import make_policy
 from tracesim.replay import load_layer
 from tracesim.replay.engine import evaluated_queries
 from tracesim.replay.kept import event_inclusion
-from tracesim.store import open_store
 from tracesim.tiers import MemoryModel, simulate_layer
 
 pytestmark = pytest.mark.capture
-
-
-@pytest.fixture(scope="module")
-def tiny_store(tmp_path_factory) -> tuple[Path, LoadedModel]:
-    tok = load_tokenizer()
-    model = tiny_model("llama", seed=3, vocab_size=len(tok))
-    loaded = LoadedModel(model, tok, "tiny-llama")
-    out = tmp_path_factory.mktemp("fetch") / "traces"
-    run_capture(loaded, ["passkey"], n=2, length=160, out=out, storage_dtype="float32",
-                config=CaptureConfig(window=8, max_new_tokens=6), progress=False)
-    return out, loaded
-
-
-def _prefilled(tiny_store, index: int = 0):
-    path, loaded = tiny_store
-    store = open_store(path)
-    seq = store[store.sequence_ids[index]]
-    meta = seq.meta
-    P = int(meta["prompt_length"])
-    pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
-                           question_start=int(meta["question_start"]), window=8,
-                           scaling=store.model.scaling)
-    return store, loaded, seq, meta, P, pre
 
 
 @pytest.mark.parametrize(("design", "schedulers"), [
@@ -48,7 +22,7 @@ def _prefilled(tiny_store, index: int = 0):
     ("topk", ("random", "bound"))])
 def test_zero_budget_is_plain_eviction_and_unlimited_is_the_full_cache(tiny_store, design,
                                                                         schedulers):
-    store, loaded, seq, meta, P, pre = _prefilled(tiny_store)
+    store, loaded, seq, meta, P, pre = prefilled(tiny_store)
     n = len(meta["generated_ids"])
     policy = make_policy("snapkv", design, 0.3, score_params={"window": 8})
     plans = layer_plans(pre.traces, policy, 5)
@@ -81,7 +55,7 @@ def _fetch_run(tiny_store, index, policy, seed, fetch):
     """Decode with ``fetch``; per layer the step queries and outputs, and the last cache."""
     import capture.fetch as cf
 
-    store, loaded, seq, meta, P, pre = _prefilled(tiny_store, index)
+    store, loaded, seq, meta, P, pre = prefilled(tiny_store, index)
     seen: dict[int, dict] = {}
 
     class Probe(cf.FetchState):

@@ -12,11 +12,10 @@ import numpy as np
 
 from tracesim.bounds.pages import build_page_summaries, logit_upper_bounds
 from tracesim.policies import LayerTrace, Policy
-from tracesim.replay.engine import evaluated_queries
 from tracesim.replay.kept import event_inclusion
 from tracesim.tiers.model import MemoryModel
 from tracesim.tiers.schedulers import confidence_weights, random_priority
-from tracesim.tiers.simulate import check_inputs, layer_memory_model, step_logprobs, to_columns
+from tracesim.tiers.simulate import layer_memory_model, prepare_inputs, step_logprobs, to_columns
 
 __all__ = ["simulate_layer_reference"]
 
@@ -40,38 +39,11 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                              budgets: np.ndarray) -> dict[str, np.ndarray]:
     """Simulate every scheduler and fetch budget on one layer of one sequence, in numpy.
 
-    Same parameters and result as :func:`tracesim.tiers.simulate.simulate_layer`.
-
-    Parameters
-    ----------
-    trace : LayerTrace
-        The layer (float64), with decode queries.
-    policy : Policy
-        One-shot base eviction policy.
-    seeds : ndarray of int, shape (S,)
-        Seeds of the permanent random numbers (deterministic policies use the first only).
-    n_layers : int
-        Layers of the model (for the policy's budget schedule).
-    memory : MemoryModel
-    schedulers : tuple of str
-        Names from :data:`tracesim.tiers.schedulers.SCHEDULERS`.
-    budgets : ndarray, shape (B,)
-        Fetch budgets as fractions of the layer's evicted bytes at the step.
-
-    Returns
-    -------
-    dict of str -> ndarray
-        Columns of length ``len(schedulers) * B * n_heads * n_steps`` in that nesting order
-        (scheduler outermost, step innermost); see ``docs/tiers.md``.
+    Same parameters and result as :func:`tracesim.tiers.simulate.simulate_layer`, which the
+    tests compare with this on every column.
     """
-    budgets = np.asarray(budgets, dtype=np.float64)
-    schedulers = tuple(schedulers)
-    check_inputs(trace, policy, schedulers, budgets)
-    seeds = np.asarray(seeds, dtype=np.int64)
-    if not policy.needs_seeds:
-        seeds = seeds[:1]
-    qidx = evaluated_queries(trace, ("decode",))
-    qpos = trace.query_positions[qidx]
+    budgets, schedulers, seeds, qidx, qpos = prepare_inputs(trace, policy, seeds, schedulers,
+                                                            budgets)
     H, G, n_kv = trace.n_heads, trace.group_size, trace.n_kv_heads
     d = trace.keys.shape[2]
     NQ, NS, NB = qidx.size, len(schedulers), budgets.size

@@ -39,8 +39,8 @@ from tracesim.tiers.schedulers import (
     confidence_weights,
 )
 
-__all__ = ["check_inputs", "layer_memory_model", "simulate_layer", "step_logprobs",
-           "to_columns"]
+__all__ = ["check_inputs", "layer_memory_model", "prepare_inputs", "simulate_layer",
+           "step_logprobs", "to_columns"]
 
 
 def step_logprobs(trace: LayerTrace, positions: np.ndarray) -> np.ndarray:
@@ -135,6 +135,21 @@ def _random_priorities(seed: int, layer: int, pages: dict[str, np.ndarray], page
     return out
 
 
+def prepare_inputs(trace: LayerTrace, policy: Policy, seeds: np.ndarray,
+                   schedulers: tuple[str, ...], budgets: np.ndarray
+                   ) -> tuple[np.ndarray, tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """Checked ``(budgets, schedulers, seeds, query indices, query positions)`` of one layer:
+    the seeds the policy uses (the first only for a deterministic one) and its decode queries."""
+    budgets = np.asarray(budgets, dtype=np.float64)
+    schedulers = tuple(schedulers)
+    check_inputs(trace, policy, schedulers, budgets)
+    seeds = np.asarray(seeds, dtype=np.int64)
+    if not policy.needs_seeds:
+        seeds = seeds[:1]
+    qidx = evaluated_queries(trace, ("decode",))
+    return budgets, schedulers, seeds, qidx, trace.query_positions[qidx].astype(np.int64)
+
+
 def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layers: int,
                    memory: MemoryModel, schedulers: tuple[str, ...],
                    budgets: np.ndarray) -> dict[str, np.ndarray]:
@@ -162,14 +177,8 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
         Columns of length ``len(schedulers) * B * n_heads * n_steps`` in that nesting order
         (scheduler outermost, step innermost); see ``docs/tiers.md``.
     """
-    budgets = np.asarray(budgets, dtype=np.float64)
-    schedulers = tuple(schedulers)
-    check_inputs(trace, policy, schedulers, budgets)
-    seeds = np.asarray(seeds, dtype=np.int64)
-    if not policy.needs_seeds:
-        seeds = seeds[:1]
-    qidx = evaluated_queries(trace, ("decode",))
-    qpos = trace.query_positions[qidx].astype(np.int64)
+    budgets, schedulers, seeds, qidx, qpos = prepare_inputs(trace, policy, seeds, schedulers,
+                                                            budgets)
     H, n_kv = trace.n_heads, trace.n_kv_heads
     NQ, NS, NB = qidx.size, len(schedulers), budgets.size
     tb = memory.token_bytes(trace.keys.shape[2])
