@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "memory": [],
     "sweep": [],
     "evict": ["--repeats", "2"],
+    "tiers": [],
 }
 
 
