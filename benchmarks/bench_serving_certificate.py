@@ -14,7 +14,8 @@ One decode query at a serving size (default Llama-shaped: 32 query heads sharing
 
 Protocol: the variants alternate (A, B, C, ... then again) for ``--rounds`` rounds; each round
 times ``--calls`` calls per variant; the report gives the median over rounds of the time per
-call and its ratio to ``attention``, with ``os.getloadavg()`` printed next to every round.
+call and the median over rounds of its ratio to ``attention`` in the same round, with
+``os.getloadavg()`` printed next to every round.
 
 Usage::
 
@@ -133,11 +134,16 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                 f"{n.split(' (')[0]} {t[-1] * 1e3:.2f}" for n, t in per_round.items())
                 + f" ms; load average {load}")
     medians = {name: statistics.median(t) for name, t in per_round.items()}
-    base = medians["attention"]
-    print(f"\n| variant | ms per call (median of {args.rounds}) | vs attention |")
+    # The ratio within each round pairs calls made seconds apart, so drifts in the machine's
+    # speed cancel; its median over rounds is the headline.
+    ratios = {name: statistics.median(x / b for x, b in zip(t, per_round["attention"],
+                                                            strict=True))
+              for name, t in per_round.items()}
+    print(f"\n| variant | ms per call (median of {args.rounds}) | vs attention (median of the "
+          f"per-round ratios) |")
     print("|---|---|---|")
     for name, t in medians.items():
-        print(f"| {name} | {t * 1e3:.2f} | {t / base:.2f}x |")
+        print(f"| {name} | {t * 1e3:.2f} | {ratios[name]:.2f}x |")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return medians
 

@@ -151,28 +151,51 @@ def onepass_attention(
         kb, vb = key[:, a:b].to(f32), value[:, a:b].to(f32)
         s = torch.baddbmm(bias[:, None, a:b].to(f32).expand(n_kv, G, b - a), q,
                           kb.transpose(1, 2))
-        m_new = torch.maximum(m, s.amax(-1))
+        # The block's probabilities come from softmax (fused; aten's exp takes a slow path on
+        # -inf and on results below float32's normal range), each row scaled afterwards by
+        # c = l_b exp(m_b - m'), so that a * c = exp(s - m'), the online-softmax weights.
+        m_block = s.amax(-1)
+        m_new = torch.maximum(m, m_block)
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - safe)  # (H_kv, G); 0 while nothing was seen
         R = torch.empty(n_kv, n_rows, b - a, dtype=f32, device=dev)
-        p = torch.sub(s, safe[..., None], out=R[:, :G]).exp_()
+        p = torch.softmax(s, -1, out=R[:, :G])
+        dead = torch.isinf(m_block)  # every key of the block masked for this row
+        if bool(dead.any()):
+            p.masked_fill_(dead[..., None], 0.0)
+        inv_l = p.amax(-1)  # softmax at the block's maximum is 1 / l_b
+        live = (~dead).to(f32)
+        c = torch.where(dead, torch.zeros_like(m_block),
+                        torch.exp(m_block.masked_fill(dead, 0.0) - safe) / inv_l.clamp_min(
+                            torch.finfo(f32).tiny))
         if certified:
             w = weight[:, None, a:b].to(f32)
-            wp = torch.mul(p, w, out=R[:, fixed_at:]) if fixed_size else p * w
-            torch.mul(wp, p, out=R[:, G:2 * G])
+            pp = torch.mul(p, p, out=R[:, G:2 * G])
             if want_layer:
-                torch.mul(wp[:, off_first], p[:, off_second], out=R[:, 2 * G:fixed_at])
+                torch.mul(p[:, off_first], p[:, off_second], out=R[:, 2 * G:fixed_at])
+                R[:, G:fixed_at].mul_(w)
+            else:
+                pp.mul_(w)
+            if fixed_size:
+                torch.mul(p, w, out=R[:, fixed_at:])
             alpha2 = alpha[:, first] * alpha[:, second]
+            c2 = c[:, first] * c[:, second]
             scale_rows = torch.cat([alpha, alpha2, alpha] if fixed_size else [alpha, alpha2], 1)
+            new_rows = torch.cat([c, c2, c] if fixed_size else [c, c2], 1)
             vsq = value_sq[:, a:b].to(f32) if value_sq is not None else (vb * vb).sum(-1)
-            acc_vsq = torch.baddbmm(acc_vsq * alpha2[:, :G, None], R[:, G:2 * G],
-                                    vsq[..., None])
+            # One product gives every certificate row's sum and the diagonal rows' sums
+            # times ||v||^2 (a softmax row sums to 1, so the G rows of p need no pass).
+            ones_vsq = torch.stack([torch.ones_like(vsq), vsq], -1)  # (H_kv, B, 2)
+            cert_sums = torch.bmm(R[:, G:], ones_vsq)  # (H_kv, n_rows - G, 2)
+            acc_vsq = acc_vsq * alpha2[:, :G, None] + cert_sums[:, :G, 1:] * c2[:, :G, None]
+            row_sums = torch.cat([live, cert_sums[..., 0]], 1)
             if want_layer:
-                acc_quad = acc_quad * alpha2 + (R[:, G:fixed_at] * quad[:, :, a:b].to(f32)).sum(-1)
+                acc_quad = (acc_quad * alpha2
+                            + (R[:, G:fixed_at] * quad[:, :, a:b].to(f32)).sum(-1) * c2)
         else:
-            scale_rows = alpha
-        acc = torch.baddbmm(acc * scale_rows[..., None], R, vb)
-        sums = sums * scale_rows + R.sum(-1)
+            scale_rows, new_rows, row_sums = alpha, c, live
+        acc = acc * scale_rows[..., None] + torch.bmm(R, vb) * new_rows[..., None]
+        sums = sums * scale_rows + row_sums * new_rows
         m = m_new
     l = sums[:, :G]
     out = acc[:, :G] / l[..., None]  # (H_kv, G, d)

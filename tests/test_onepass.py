@@ -104,3 +104,35 @@ def test_float32_inputs_stay_accurate_at_long_context():
                               scale=0.2, variance="trace")
         np.testing.assert_allclose(out[h].numpy(), est.estimate, atol=1e-5)
         assert float(cert[h]) == pytest.approx(float(est.variance_trace), rel=1e-3)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_fully_masked_blocks_and_far_logits_match_the_estimator(fixed):
+    """Blocks where one KV head has every key evicted, and logits ~200 below the maximum
+    (whose exponentials fall below float32's normal range), rescaled block by block."""
+    c = _case(4, H=4, n_kv=2, T=256, d=16, P=240)
+    kept, pi = c["kept"].copy(), c["pi"]
+    kept[0, 32:96] = False  # blocks 2-5 (block=16) hold no key of KV head 0
+    bias = np.where(kept, -np.log(pi), -np.inf)
+    weight = np.where(kept & (pi < 1), 1 - pi, 0.0)
+    k = c["k"].copy()
+    scale = 0.25
+    u = c["q"][2] + c["q"][3]  # the two heads of KV head 1
+    k[1, 100:140] -= 200.0 * u / np.linalg.norm(u)  # these logits fall by 50 q_h . u / |u|
+    logits = np.einsum("hd,td->ht", c["q"][2:], k[1]) * scale
+    gap = logits[:, 100:140].max(1) - logits.max(1)
+    assert (gap < -100).all() and (gap > -600).all()
+    out, cert, layer = onepass_attention(
+        c["tq"].float(), torch.tensor(k).float(), c["tv"].float(), torch.tensor(bias).float(),
+        torch.tensor(weight).float(), scale, gram=c["gram"].float(),
+        quad=pair_quadratic_forms(c["tv"].float(), c["gram"].float(), torch.tensor(weight)),
+        fixed_size=fixed, block=16)
+    assert torch.isfinite(out).all() and torch.isfinite(cert).all() and torch.isfinite(layer)
+    for h in range(4):
+        g = h // 2
+        est = hajek_attention(c["q"][h], k[g], c["v"][g], pi[g], kept[g], scale=scale,
+                              variance="trace", design_variance="fixed" if fixed else "poisson")
+        np.testing.assert_allclose(out[h].numpy(), est.estimate, rtol=1e-5, atol=1e-6)
+        assert float(cert[h]) == pytest.approx(float(est.variance_trace), rel=1e-4, abs=1e-8)
+    ref = output_space_certificate(c["q"][:, None, :], k, c["v"], pi, kept, c["W"], scale=scale)
+    assert float(layer) == pytest.approx(float(ref.variance_trace[0]), rel=1e-4)
