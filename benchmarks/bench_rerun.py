@@ -6,8 +6,8 @@ Side by side in one run:
   ``capture.models``, SDPA, CPU) decodes ``--decode`` steps after a shared, cached prefill, with
   the configuration's eviction as an additive ``-inf`` mask; the cache is cropped back after
   each run. The prefill is *not* charged to any configuration (one-shot compression does not
-  change it), so this is a lower bound on the rerun cost. A few runs are timed and the mean is
-  multiplied by the number of (policy, seed) pairs.
+  change it), so this is a lower bound on the rerun cost. A few runs are timed per round and
+  their mean is multiplied by the number of (policy, seed) pairs.
 - ``replay``: :func:`tracesim.replay.replay` of the same policies and seeds over every layer of
   one sequence with the same context, read from disk: by default a synthetic store with
   SmolLM2's shapes (30 layers, 9/3 heads, d=64) and random tensors (replay cost depends on the
@@ -17,15 +17,22 @@ Side by side in one run:
 They do not produce the same thing: a rerun gives closed-loop generations, the replay gives
 open-loop attention errors and certificates for every layer, head and query. This compares cost.
 
-Usage: ``python benchmarks/bench_rerun.py [--context 1024 --decode 16 --seeds 32]``
+Protocol: the model is loaded and the prefill run once; then ``--rounds`` rounds alternate the
+replay of every pair and ``--runs`` timed reruns. The report gives medians over rounds, the
+median of the per-round ratios, and the load average beside every round.
+
+Usage: ``python benchmarks/bench_rerun.py [--context 1024 --decode 16 --seeds 32 --rounds 3]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -45,45 +52,58 @@ def synthetic_smollm2_store(path: Path, context: int, n_decode: int) -> None:
                 n_decode=n_decode)
 
 
-def rerun_seconds(context: int, n_decode: int, runs: int, threads: int) -> tuple[float, float]:
-    """(seconds per configuration rerun, prefill seconds) with SmolLM2 on CPU."""
-    import torch
-    from transformers import DynamicCache
+class Rerun:
+    """SmolLM2 on CPU with a cached prefill of ``context`` random tokens; :meth:`seconds` times
+    configurations decoded after it."""
 
-    from capture.generate import cache_keyword
-    from capture.models import load_model
+    def __init__(self, context: int, n_decode: int, threads: int) -> None:
+        import torch
+        from transformers import DynamicCache
 
-    torch.set_num_threads(threads)
-    model = load_model("smollm2", attn_implementation="sdpa").model
-    kw = cache_keyword(model)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, 20000, (1, context), generator=gen)
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        t = time.perf_counter()
-        out = model(input_ids=ids, position_ids=torch.arange(context)[None], use_cache=True,
-                    logits_to_keep=1, **{kw: cache})
-        prefill = time.perf_counter() - t
-        first = out.logits[0, -1].argmax().view(1, 1)
-        times = []
-        for r in range(runs):
-            keep = torch.rand(context, generator=gen) < 0.25
-            keep[:4] = True
-            keep[-32:] = True
-            tok = first
+        from capture.generate import cache_keyword
+        from capture.models import load_model
+
+        torch.set_num_threads(threads)
+        self.context, self.n_decode = context, n_decode
+        self.model = load_model("smollm2", attn_implementation="sdpa").model
+        self.kw = cache_keyword(self.model)
+        self.gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(100, 20000, (1, context), generator=self.gen)
+        self.cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
             t = time.perf_counter()
-            for step in range(n_decode):
-                kv = context + step + 1
-                mask = torch.zeros(1, 1, 1, kv)
-                mask[..., :context][..., ~keep] = -torch.inf
-                o = model(input_ids=tok, position_ids=torch.tensor([[context + step]]),
-                          attention_mask=mask, use_cache=True, logits_to_keep=1,
-                          **{kw: cache})
-                tok = o.logits[0, -1].argmax().view(1, 1)
-            cache.crop(-(cache.get_seq_length() - context))
-            times.append(time.perf_counter() - t)
-            del r
-    return float(np.mean(times)), prefill
+            out = self.model(input_ids=ids, position_ids=torch.arange(context)[None],
+                             use_cache=True, logits_to_keep=1, **{self.kw: self.cache})
+            self.prefill = time.perf_counter() - t
+        self.first = out.logits[0, -1].argmax().view(1, 1)
+
+    def seconds(self, runs: int) -> float:
+        """Mean seconds of one configuration: ``runs`` random 25% evictions, each decoding
+        ``n_decode`` steps with an additive ``-inf`` mask; the cache is cropped back after each."""
+        import torch
+
+        context, times = self.context, []
+        with torch.inference_mode():
+            for _ in range(runs):
+                keep = torch.rand(context, generator=self.gen) < 0.25
+                keep[:4] = True
+                keep[-32:] = True
+                tok = self.first
+                t = time.perf_counter()
+                for step in range(self.n_decode):
+                    mask = torch.zeros(1, 1, 1, context + step + 1)
+                    mask[..., :context][..., ~keep] = -torch.inf
+                    o = self.model(input_ids=tok, position_ids=torch.tensor([[context + step]]),
+                                   attention_mask=mask, use_cache=True, logits_to_keep=1,
+                                   **{self.kw: self.cache})
+                    tok = o.logits[0, -1].argmax().view(1, 1)
+                self.cache.crop(-(self.cache.get_seq_length() - context))
+                times.append(time.perf_counter() - t)
+        return float(np.mean(times))
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -91,16 +111,29 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--seeds", type=int, default=32)
-    parser.add_argument("--runs", type=int, default=3, help="reruns actually timed")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="reruns actually timed per round (their mean is extrapolated)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternated rounds (replay, then rerun); medians")
     parser.add_argument("--traces", default=None)
     args = parser.parse_args()
     import numba
 
     threads = numba.get_num_threads()
+    # The synthetic store's stored outputs are random tensors, so the replay's output check
+    # flags them; errors are measured against the float64 recomputation either way.
+    warnings.filterwarnings("ignore", message=r".*stored outputs that differ", category=UserWarning)
     pols = policy_grid(["snapkv", "h2o"], ["topk", "poisson", "bernoulli"], [0.25, 0.5],
                        design_params={"poisson": {"mixture": 0.1}},
                        score_params={"snapkv": {"window_source": "question"}})
     pairs = sum(args.seeds if p.needs_seeds else 1 for p in pols)
+    print(f"load average at start: {_load()}", flush=True)
+    try:
+        rerun = Rerun(args.context, args.decode, threads)
+    except (ImportError, FileNotFoundError) as exc:
+        print(f"capture/SmolLM2 not available ({exc}); nothing to compare with")
+        return
+    replay_s, rerun_s, ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         traces = Path(args.traces) if args.traces else None
         label = str(traces)
@@ -111,26 +144,29 @@ def main() -> None:
         store = open_store(traces)
         seq = store.sequence_ids[:1]
         replay(store, pols[:2], seeds=2, layers=[0], sequences=seq, progress=False)  # warm
-        t = time.perf_counter()
-        table = replay(store, pols, seeds=args.seeds, sequences=seq, progress=False)
-        t_replay = time.perf_counter() - t
+        rerun.seconds(1)  # warm
+        for r in range(args.rounds):
+            t = time.perf_counter()
+            table = replay(store, pols, seeds=args.seeds, sequences=seq, progress=False)
+            replay_s.append(time.perf_counter() - t)
+            print(f"round {r + 1}: replay {replay_s[-1]:.2f} s [load {_load()}]", flush=True)
+            rerun_s.append(rerun.seconds(args.runs))
+            ratios.append(rerun_s[-1] * pairs / replay_s[-1])
+            print(f"round {r + 1}: rerun {rerun_s[-1]:.2f} s per configuration, "
+                  f"ratio {ratios[-1]:.0f}x [load {_load()}]", flush=True)
         n_pos = int(store[seq[0]].n_positions)
-    try:
-        per_run, prefill = rerun_seconds(args.context, args.decode, args.runs, threads)
-    except (ImportError, FileNotFoundError) as exc:
-        print(f"capture/SmolLM2 not available ({exc}); replay alone: {t_replay:.1f} s")
-        return
-    t_rerun = per_run * pairs
+    per_run, t_replay = statistics.median(rerun_s), statistics.median(replay_s)
     print(f"traces: {label}; sequence of {n_pos} positions; threads {threads}")
     print(f"{len(pols)} policies, {args.seeds} seeds -> {pairs} (policy, seed) pairs "
-          f"(deterministic policies once)")
+          f"(deterministic policies once); medians of {args.rounds} alternated rounds")
     print(f"{'':<34} {'seconds':>10}")
-    print(f"{'SmolLM2 prefill (shared, not charged)':<34} {prefill:>10.2f}")
+    print(f"{'SmolLM2 prefill (shared, not charged)':<34} {rerun.prefill:>10.2f}")
     print(f"{'rerun, one configuration':<34} {per_run:>10.2f}   ({args.decode} decode steps)")
-    print(f"{'rerun, all pairs (extrapolated)':<34} {t_rerun:>10.1f}")
+    print(f"{'rerun, all pairs (extrapolated)':<34} {per_run * pairs:>10.1f}")
     print(f"{'replay, all pairs, all 30 layers':<34} {t_replay:>10.1f}   "
           f"({table.num_rows} result rows)")
-    print(f"replay speedup over rerun: {t_rerun / t_replay:.0f}x")
+    print(f"replay speedup over rerun (median of the per-round ratios): "
+          f"{statistics.median(ratios):.0f}x; load average at the end: {_load()}")
 
 
 if __name__ == "__main__":
