@@ -1,5 +1,8 @@
 """Command-line start-up: ``tracesim --help``, ``import tracesim`` and a one-layer replay.
 
+Beside them, ``benchmarks/numba_floor.py``: importing numba and calling one tiny function from
+its on-disk cache, the least any command that runs a numba kernel costs.
+
 Each command runs in a fresh interpreter (as a user types it), measured wall-clock from process
 start to exit. The commands alternate (A, B, C, then again) for ``--rounds`` rounds; the report
 gives the median per command with ``os.getloadavg()`` printed beside every round. Numba's
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         commands = {
             "tracesim --help": [py, "-m", "tracesim.cli", "--help"],
             "python -c 'import tracesim'": [py, "-c", "import tracesim"],
+            "numba floor: import numba, one cached njit call": [
+                py, str(ROOT / "benchmarks" / "numba_floor.py")],
             f"one-layer replay, {args.positions} positions, defaults": [
                 py, "-m", "tracesim.cli", "replay", str(store), "--no-progress", "--out",
                 str(out)],

@@ -104,16 +104,33 @@ class FetchState(EvictionState):
         self.memory = layer_memory(fetch.memory, n_layers)
         self.fetch_log: list[tuple[int, int, StepFetch]] = []
         self._pages: dict[int, tuple[LayerPlan, LayerPages, np.ndarray, np.ndarray]] = {}
+        self._host: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
 
-    def _layer_pages(self, layer: int, plan: LayerPlan, key: torch.Tensor,
-                     value: torch.Tensor) -> tuple[LayerPages, np.ndarray, np.ndarray]:
+    def _host_cache(self, layer: int, key: torch.Tensor, value: torch.Tensor
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Float64 host copies of the layer's keys and values ``(n_kv, T, d)``, each position
+        converted once: a decode step only appends to the cache, so only its new positions
+        are copied (views of a buffer that grows in chunks)."""
+        n_kv, T, d = key.shape
+        K, V, n = self._host.get(layer, (np.empty((n_kv, 0, d)), np.empty((n_kv, 0, d)), 0))
+        if K.shape[1] < T:
+            K2, V2 = np.empty((n_kv, T + 256, d)), np.empty((n_kv, T + 256, d))
+            K2[:, :n], V2[:, :n] = K[:, :n], V[:, :n]
+            K, V = K2, V2
+        if n < T:
+            K[:, n:T] = key[:, n:T].double().cpu().numpy()
+            V[:, n:T] = value[:, n:T].double().cpu().numpy()
+        self._host[layer] = (K, V, T)
+        return K[:, :T], V[:, :T]
+
+    def _layer_pages(self, layer: int, plan: LayerPlan, keys: np.ndarray,
+                     values: np.ndarray) -> tuple[LayerPages, np.ndarray, np.ndarray]:
         cached = self._pages.get(layer)
         if cached is not None and cached[0] is plan:
             return cached[1:]
         P = plan.kept.shape[1]
         kept = plan.kept.numpy().astype(bool)
-        pages = layer_pages(key[:, :P].double().cpu().numpy(),
-                            value[:, :P].double().cpu().numpy(), kept, self.memory)
+        pages = layer_pages(keys[:, :P], values[:, :P], kept, self.memory)
         self._pages[layer] = (plan, pages, plan.pi.numpy().astype(np.float64), kept)
         return pages, self._pages[layer][2], kept
 
@@ -122,15 +139,16 @@ class FetchState(EvictionState):
         q_len, kv_len = query.shape[2], key.shape[2]
         if plan is None or not plan.evicts or q_len != 1 or kv_len <= self.prompt_length:
             return super().attend(layer, query, key, value, scaling)
-        pages, pi0, kept0 = self._layer_pages(layer, plan, key[0], value[0])
+        keys, values = self._host_cache(layer, key[0], value[0])
+        pages, pi0, kept0 = self._layer_pages(layer, plan, keys, values)
         P, n_kv = kept0.shape[1], kept0.shape[0]
         extra = kv_len - P
         pi = np.concatenate([pi0, np.ones((n_kv, extra))], axis=1)
         kept = np.concatenate([kept0, np.ones((n_kv, extra), dtype=bool)], axis=1)
         step = kv_len - 1 - self.prompt_length
         f = step_fetch(pages, self.memory, self.fetch.scheduler, float(self.fetch.budget),
-                       query[0, :, 0].double().cpu().numpy(), key[0].double().cpu().numpy(),
-                       value[0].double().cpu().numpy(), pi, kept, float(scaling),
+                       query[0, :, 0].double().cpu().numpy(), keys, values, pi, kept,
+                       float(scaling),
                        hajek=plan.hajek, certified=plan.certified, seed=self.seed, layer=layer,
                        step=step)
         self.fetch_log.append((step, layer, f))
@@ -143,11 +161,8 @@ class FetchState(EvictionState):
         dev = key.device
         P = plan.bias.shape[1]
         page = self.memory.page
-        open_ = torch.zeros(plan.bias.shape, dtype=torch.bool)
-        for g, ids in enumerate(f.pages):
-            for b in ids.tolist():
-                open_[g, b * page:min(P, (b + 1) * page)] = True
-        open_ = open_.to(dev)
+        page_of = np.arange(P) // page
+        open_ = torch.from_numpy(np.stack([np.isin(page_of, ids) for ids in f.pages])).to(dev)
         bias = torch.where(open_, torch.zeros_like(x["bias"]), x["bias"])
         pad = (0, key.shape[2] - P)
         weight = None
