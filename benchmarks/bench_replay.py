@@ -12,13 +12,15 @@ Side by side in one run, per context length, on one SmolLM2-shaped layer (9 quer
   engine shares logits across policies and seeds, so it does less than this count;
 - SGEMM: numpy float32 ``4096^2`` matmul, best of 3, measured in the same run.
 
-Results of numba and torch are checked against each other (rtol 1e-8). Protocol: the three
+Results of numba and torch are checked against each other (rtol 1e-8; with ``--precision
+float32`` within the float32 mode's documented tolerance). Protocol: the three
 runs alternate (off, on, torch, off, on, torch, ...) for ``--rounds`` rounds (default 3); the
 table shows medians and the 1-minute load average is printed beside every timing. On a shared
 machine the wall-clock figures are provisional; the ``cpu-norm`` column divides by process CPU
 time instead.
 
-Usage: ``python benchmarks/bench_replay.py [--positions 1024,2048] [--seeds 32]`` (4096 works
+Usage: ``python benchmarks/bench_replay.py [--positions 1024,2048] [--seeds 32]
+[--precision float32]`` (4096 works
 too but the torch baseline alone then takes ~2.5 min on 2 cores)
 """
 
@@ -87,7 +89,28 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def run(P: int, seeds: int, with_torch: bool, rounds: int, n_queries: int = 32) -> dict:
+def _check(res, ref: dict, precision: str) -> None:
+    """numba against torch: to 1e-8 in float64; in float32 within the tolerance
+    ``docs/replay.md`` documents (squared norms to 1e-4 |o|^2, others rtol 1e-4 + 1e-6, Wald
+    coverage fractions within 0.01 on average)."""
+    o2 = (res.truth_norm ** 2)[None]
+    for name, f in (("err2", K.F_ERR2), ("cert2", K.F_CERT2), ("wald", K.F_WALD),
+                    ("tail", K.F_TAIL), ("out_mass", K.F_OUT_MASS), ("ev_max", K.F_EV_MAX)):
+        a, b = res.out[..., f], ref[name]
+        if precision == "float64":
+            np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-12, err_msg=name)
+            continue
+        ok = np.isfinite(b)
+        if name in ("err2", "cert2"):
+            assert (np.abs(a - b)[ok] <= 1e-4 * np.broadcast_to(o2, a.shape)[ok]).all(), name
+        elif name == "wald":
+            assert np.abs(a - b)[ok].mean() <= 0.01, name
+        else:
+            np.testing.assert_allclose(a[ok], b[ok], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def run(P: int, seeds: int, with_torch: bool, rounds: int, n_queries: int = 32,
+        precision: str = "float64") -> dict:
     """Alternate numba (output space off), numba (on, the default) and torch, ``rounds`` times;
     medians, with the 1-minute load average printed beside every timing."""
     trace = synthetic_trace(0, n_heads=9, n_kv=3, d=64, P=P, prompt_length=P - n_queries,
@@ -101,13 +124,14 @@ def run(P: int, seeds: int, with_torch: bool, rounds: int, n_queries: int = 32) 
     for r in range(rounds):
         t, c = time.perf_counter(), time.process_time()
         res = replay_layer(trace, pols, seed_arr, n_layers=30,
-                           options=ReplayOptions(output_space=False))
+                           options=ReplayOptions(output_space=False, precision=precision))
         times["off"].append(time.perf_counter() - t)
         times["off_cpu"].append(time.process_time() - c)
         print(f"  P={P} round {r}: numba (os off) {times['off'][-1]:.2f} s [load {_load():.1f}]",
               flush=True)
         t = time.perf_counter()
-        replay_layer(trace, pols, seed_arr, n_layers=30)
+        replay_layer(trace, pols, seed_arr, n_layers=30,
+                     options=ReplayOptions(precision=precision))
         times["os"].append(time.perf_counter() - t)
         print(f"  P={P} round {r}: numba (os on)  {times['os'][-1]:.2f} s [load {_load():.1f}]",
               flush=True)
@@ -119,11 +143,7 @@ def run(P: int, seeds: int, with_torch: bool, rounds: int, n_queries: int = 32) 
             print(f"  P={P} round {r}: torch          {times['torch'][-1]:.2f} s "
                   f"[load {_load():.1f}]", flush=True)
             if r == 0:
-                for name, f in (("err2", K.F_ERR2), ("cert2", K.F_CERT2), ("wald", K.F_WALD),
-                                ("tail", K.F_TAIL), ("out_mass", K.F_OUT_MASS),
-                                ("ev_max", K.F_EV_MAX)):
-                    np.testing.assert_allclose(res.out[..., f], ref[name], rtol=1e-8,
-                                               atol=1e-12, err_msg=name)
+                _check(res, ref, precision)
     return {"P": P, "policies": len(pols), "seeds": seeds, "iterations": res.tables.it_cfg.size,
             "numba": _median(times["off"]), "numba_cpu": _median(times["off_cpu"]),
             "numba_os": _median(times["os"]), "torch": _median(times["torch"]),
@@ -138,6 +158,9 @@ def main() -> None:
                         help="alternated rounds (numba off, numba on, torch); medians")
     parser.add_argument("--torch-positions", default="1024",
                         help="contexts at which the (slow) torch baseline also runs")
+    parser.add_argument("--precision", choices=("float64", "float32"), default="float64",
+                        help="ReplayOptions.precision of both numba runs (the torch baseline "
+                             "stays float64)")
     args = parser.parse_args()
     import numba
     import torch
@@ -147,12 +170,14 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()}", flush=True)
     rates = [sgemm_rate(threads=threads)]
     with_torch = {int(p) for p in args.torch_positions.split(",") if p}
-    rows = [run(int(p), args.seeds, int(p) in with_torch, args.rounds)
+    rows = [run(int(p), args.seeds, int(p) in with_torch, args.rounds,
+                precision=args.precision)
             for p in args.positions.split(",")]
     rates.append(sgemm_rate(threads=threads))
     sgemm = max(r[0] for r in rates)
     sgemm_cpu = max(r[1] for r in rates)
-    print(f"threads: numba {threads}, torch {torch.get_num_threads()}; SGEMM (numpy float32 "
+    print(f"numba precision {args.precision}; threads: numba {threads}, torch "
+          f"{torch.get_num_threads()}; SGEMM (numpy float32 "
           f"4096^2, best of 3, before/after): {rates[0][0]:.0f} / {rates[1][0]:.0f} GFLOP/s "
           f"wall, {sgemm_cpu:.0f} GFLOP/s CPU-normalised; medians of {args.rounds} "
           f"alternated rounds")
