@@ -9,8 +9,8 @@ rounds of its ratio to plain eviction in the same round, with ``os.getloadavg()`
 every round.
 
 Plain eviction already runs the one-pass certified attention; a fetch step adds the scheduler's
-decision (``tracesim.tiers.step``, float64 numpy on the host) and a second one-pass attention
-with the fetched pages' bias.
+decision (``tracesim.tiers.step``: the offline simulator's compiled step, float64, on the host)
+and runs the one-pass attention with the fetched pages' bias instead of the plain one.
 
 Usage: ``python benchmarks/bench_fetch.py [--context 1024 --steps 8 --rounds 3 --threads 2
     --fetch certificate_bound,bound,random --budget 0.1]``

@@ -4,10 +4,11 @@
 layer, decides which evicted pages to bring back and then computes the step's attention with
 them. The decision uses what a server has at that step — the step's query, the retained cache,
 the sampled tail's certificate terms and the page summaries of the evicted tokens — through the
-offline simulator's rules (:mod:`tracesim.tiers.step`): pages in priority order, whole, until the
-byte budget (a fraction of the layer's evicted bytes) is spent. A fetched page's tokens all get
-bias 0 for that step (the evicted ones return, the sampled ones lose their ``-log pi`` offset and
-leave the certificate's tail); the next step starts again from the base eviction.
+offline simulator's own compiled step (:mod:`tracesim.tiers.step`): pages in priority order,
+whole, until the byte budget (a fraction of the layer's evicted bytes) is spent. A fetched
+page's tokens all get bias 0 for that step (the evicted ones return, the sampled ones lose
+their ``-log pi`` offset and leave the certificate's tail); the next step starts again from the
+base eviction.
 
 A step that fetches nothing runs exactly the plain eviction path (so a budget of 0, or the
 ``none`` scheduler, reproduces ``tracesim evict`` bit for bit); a step that fetches runs the
@@ -29,10 +30,10 @@ from capture.onepass import onepass_attention
 from tracesim.tiers.model import MemoryModel
 from tracesim.tiers.step import (
     INLOOP_SCHEDULERS,
-    LayerPages,
+    LayerFetch,
     StepFetch,
-    layer_memory,
-    layer_pages,
+    layer_fetch,
+    layer_memory_model,
     step_fetch,
 )
 
@@ -75,6 +76,29 @@ class FetchConfig:
                 "fetch_page": int(self.memory.page)}
 
 
+@dataclass
+class _HostLayer:
+    """Float64 host copies of one layer's cache and plan, with room for ``keys.shape[1]``
+    positions (generated ones are take-all: ``pi = 1``, kept)."""
+
+    plan: LayerPlan
+    keys: np.ndarray     # (n_kv, capacity, d)
+    values: np.ndarray   # (n_kv, capacity, d)
+    pi: np.ndarray       # (n_kv, capacity)
+    kept: np.ndarray     # (n_kv, capacity)
+    n: int               # positions copied so far
+    pages: LayerFetch | None
+
+    def grow(self, T: int) -> None:
+        n_kv, cap, d = self.keys.shape
+        new = T + 256
+        keys, values = np.empty((n_kv, new, d)), np.empty((n_kv, new, d))
+        pi, kept = np.ones((n_kv, new)), np.ones((n_kv, new), dtype=np.bool_)
+        keys[:, :cap], values[:, :cap] = self.keys, self.values
+        pi[:, :cap], kept[:, :cap] = self.pi, self.kept
+        self.keys, self.values, self.pi, self.kept = keys, values, pi, kept
+
+
 class FetchState(EvictionState):
     """:class:`EvictionState` that enforces a fetch scheduler at every decode step.
 
@@ -101,56 +125,47 @@ class FetchState(EvictionState):
         super().__init__(prompt_length, plans, grams)
         self.fetch = fetch
         self.seed = int(seed)
-        self.memory = layer_memory(fetch.memory, n_layers)
+        self.memory = layer_memory_model(fetch.memory, n_layers)
         self.fetch_log: list[tuple[int, int, StepFetch]] = []
-        self._pages: dict[int, tuple[LayerPlan, LayerPages, np.ndarray, np.ndarray]] = {}
-        self._host: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+        self._host: dict[int, _HostLayer] = {}
 
-    def _host_cache(self, layer: int, key: torch.Tensor, value: torch.Tensor
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """Float64 host copies of the layer's keys and values ``(n_kv, T, d)``, each position
-        converted once: a decode step only appends to the cache, so only its new positions
-        are copied (views of a buffer that grows in chunks)."""
+    def _host_layer(self, layer: int, plan: LayerPlan, key: torch.Tensor,
+                    value: torch.Tensor) -> _HostLayer:
+        """The layer's float64 host state, each cache position converted once: a decode step
+        only appends to the cache, so only its new positions are copied (into buffers that
+        grow in chunks); the plan's pages are built on its first step."""
         n_kv, T, d = key.shape
-        K, V, n = self._host.get(layer, (np.empty((n_kv, 0, d)), np.empty((n_kv, 0, d)), 0))
-        if K.shape[1] < T:
-            K2, V2 = np.empty((n_kv, T + 256, d)), np.empty((n_kv, T + 256, d))
-            K2[:, :n], V2[:, :n] = K[:, :n], V[:, :n]
-            K, V = K2, V2
-        if n < T:
-            K[:, n:T] = key[:, n:T].double().cpu().numpy()
-            V[:, n:T] = value[:, n:T].double().cpu().numpy()
-        self._host[layer] = (K, V, T)
-        return K[:, :T], V[:, :T]
-
-    def _layer_pages(self, layer: int, plan: LayerPlan, keys: np.ndarray,
-                     values: np.ndarray) -> tuple[LayerPages, np.ndarray, np.ndarray]:
-        cached = self._pages.get(layer)
-        if cached is not None and cached[0] is plan:
-            return cached[1:]
-        P = plan.kept.shape[1]
-        kept = plan.kept.numpy().astype(bool)
-        pages = layer_pages(keys[:, :P], values[:, :P], kept, self.memory)
-        self._pages[layer] = (plan, pages, plan.pi.numpy().astype(np.float64), kept)
-        return pages, self._pages[layer][2], kept
+        h = self._host.get(layer)
+        if h is None or h.plan is not plan:
+            P = plan.kept.shape[1]
+            h = _HostLayer(plan, np.empty((n_kv, 0, d)), np.empty((n_kv, 0, d)),
+                           np.empty((n_kv, 0)), np.empty((n_kv, 0), dtype=np.bool_), 0, None)
+            h.grow(T)
+            h.pi[:, :P] = plan.pi.numpy()
+            h.kept[:, :P] = plan.kept.numpy()
+        elif h.keys.shape[1] < T:
+            h.grow(T)
+        if h.n < T:
+            h.keys[:, h.n:T] = key[:, h.n:T].double().cpu().numpy()
+            h.values[:, h.n:T] = value[:, h.n:T].double().cpu().numpy()
+            h.n = T
+        if h.pages is None:
+            P = plan.kept.shape[1]
+            h.pages = layer_fetch(h.keys[:, :P], h.values[:, :P], h.pi[:, :P], h.kept[:, :P],
+                                  self.memory, hajek=plan.hajek, certified=plan.certified)
+        self._host[layer] = h
+        return h
 
     def attend(self, layer, query, key, value, scaling):
         plan = self.plans.get(layer)
         q_len, kv_len = query.shape[2], key.shape[2]
         if plan is None or not plan.evicts or q_len != 1 or kv_len <= self.prompt_length:
             return super().attend(layer, query, key, value, scaling)
-        keys, values = self._host_cache(layer, key[0], value[0])
-        pages, pi0, kept0 = self._layer_pages(layer, plan, keys, values)
-        P, n_kv = kept0.shape[1], kept0.shape[0]
-        extra = kv_len - P
-        pi = np.concatenate([pi0, np.ones((n_kv, extra))], axis=1)
-        kept = np.concatenate([kept0, np.ones((n_kv, extra), dtype=bool)], axis=1)
+        h = self._host_layer(layer, plan, key[0], value[0])
         step = kv_len - 1 - self.prompt_length
-        f = step_fetch(pages, self.memory, self.fetch.scheduler, float(self.fetch.budget),
-                       query[0, :, 0].double().cpu().numpy(), keys, values, pi, kept,
-                       float(scaling),
-                       hajek=plan.hajek, certified=plan.certified, seed=self.seed, layer=layer,
-                       step=step)
+        f = step_fetch(h.pages, self.fetch.scheduler, float(self.fetch.budget),
+                       query[0, :, 0].double().cpu().numpy(), h.keys, h.values, h.pi, h.kept,
+                       kv_len, float(scaling), seed=self.seed, layer=layer, step=step)
         self.fetch_log.append((step, layer, f))
         if f.pages_fetched == 0:
             return super().attend(layer, query, key, value, scaling)

@@ -128,7 +128,8 @@ def _add_page(Vg, e_g, kept_g, pi_g, hajek, start, stop, accn, accd):
 def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
                pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
                tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before, cert,
-               err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok):
+               err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok, order_out,
+               nsel_out):
     """Simulate decode step ``a`` (see :func:`tiers_layer` for the arguments)."""
     n_kv, _, d = K.shape
     H = Q.shape[0]
@@ -325,6 +326,10 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
                 w = conf_w[a] if code == S_CONFIDENCE else 1.0
                 B = min(total, f * total * w)
             nsel[bi] = _n_le(cum, n_order, B * (1 + 1e-12))
+            nsel_out[si, bi, a] = nsel[bi]
+        if order_out.shape[0] > 0:  # the fetch order itself (the in-loop fetch reads it)
+            for c in range(n_order):
+                order_out[si, a, c] = order[c]
         # budgets by the pages they fetch (a stable insertion sort: a handful of budgets)
         for bi in range(NB):
             border[bi] = bi
@@ -385,26 +390,30 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
 def _layer_parallel(K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
                     pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
                     tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
-                    cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok):
+                    cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
+                    order_out, nsel_out):
     for a in nb.prange(qpos.size):
         # an int64 step index, so the serial and parallel kernels share one compiled step
         step = np.int64(a)
         tiers_step(step, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
                    pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
                    tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
-                   cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok)
+                   cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
+                   order_out, nsel_out)
 
 
 @nb.njit(cache=True)
 def _layer_serial(K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
                   pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
                   tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
-                  cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok):
+                  cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
+                  order_out, nsel_out):
     for a in range(qpos.size):
         tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
                    pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
                    tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
-                   cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok)
+                   cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
+                   order_out, nsel_out)
 
 
 def tiers_layer(K: np.ndarray, V: np.ndarray, Q: np.ndarray, qpos: np.ndarray, scale: float,
@@ -412,7 +421,7 @@ def tiers_layer(K: np.ndarray, V: np.ndarray, Q: np.ndarray, qpos: np.ndarray, s
                 pages: dict[str, np.ndarray], block_slot: np.ndarray, tail_off: np.ndarray,
                 tail_pos: np.ndarray, codes: np.ndarray, budgets: np.ndarray,
                 conf_w: np.ndarray, rprio: np.ndarray, need_bound: bool, n_tiers: int,
-                ) -> dict[str, np.ndarray]:
+                want_order: bool = False) -> dict[str, np.ndarray]:
     """Simulate every decode step of one layer for one seed.
 
     Parameters
@@ -459,13 +468,18 @@ def tiers_layer(K: np.ndarray, V: np.ndarray, Q: np.ndarray, qpos: np.ndarray, s
         schedulers read it).
     n_tiers : int
         Lower tiers.
+    want_order : bool
+        Also return each scheduler's fetch order (``order``).
 
     Returns
     -------
     dict of str -> ndarray
         ``err_before``, ``cert`` (H, NQ); ``err_after`` (NS, NB, H, NQ); ``kv_bytes``,
         ``kv_pages`` (NS, NB, n_kv, NQ); ``evicted`` (n_kv, NQ); ``tier_nf``, ``tier_nb``
-        (NS, NB, NQ, n_tiers): fetches and bytes per tier; ``kept_tokens`` (NQ,).
+        (NS, NB, NQ, n_tiers): fetches and bytes per tier; ``kept_tokens`` (NQ,); ``nsel``
+        (NS, NB, NQ): pages fetched; with ``want_order``, ``order`` (NS, NQ, NP): the visible
+        pages in fetch order (indices into ``pages``), so budget ``bi`` fetches
+        ``order[si, a, :nsel[si, bi, a]]``.
     """
     n_kv, _, d = K.shape
     H, NQ = Q.shape[0], qpos.size
@@ -474,7 +488,10 @@ def tiers_layer(K: np.ndarray, V: np.ndarray, Q: np.ndarray, qpos: np.ndarray, s
            "err_after": np.zeros((NS, NB, H, NQ)), "kv_bytes": np.zeros((NS, NB, n_kv, NQ)),
            "kv_pages": np.zeros((NS, NB, n_kv, NQ)), "evicted": np.zeros((n_kv, NQ)),
            "tier_nf": np.zeros((NS, NB, NQ, n_tiers)), "tier_nb": np.zeros((NS, NB, NQ, n_tiers)),
-           "kept_tokens": np.zeros(NQ, dtype=np.int64)}
+           "kept_tokens": np.zeros(NQ, dtype=np.int64),
+           "nsel": np.zeros((NS, NB, NQ), dtype=np.int64),
+           "order": np.full((NS, NQ, pages["off"][-1]) if want_order else (0, 0, 0), -1,
+                            dtype=np.int64)}
     work = int(np.sum(qpos + 1)) * H * d
     fn = _layer_serial if work < SERIAL_BELOW else _layer_parallel
     fn(K, V, Q, np.ascontiguousarray(qpos, dtype=np.int64), float(scale), pi, kept,
@@ -482,5 +499,6 @@ def tiers_layer(K: np.ndarray, V: np.ndarray, Q: np.ndarray, qpos: np.ndarray, s
        pages["kmin"], pages["kmax"], pages["vcen"], pages["vrad"], pages["bytes"],
        pages["tier"], block_slot, tail_off, tail_pos, codes, budgets, conf_w, rprio,
        bool(need_bound), out["err_before"], out["cert"], out["err_after"], out["kv_bytes"],
-       out["kv_pages"], out["evicted"], out["tier_nf"], out["tier_nb"], out["kept_tokens"])
+       out["kv_pages"], out["evicted"], out["tier_nf"], out["tier_nb"], out["kept_tokens"],
+       out["order"], out["nsel"])
     return out

@@ -35,14 +35,16 @@ import numpy as np
 
 from tracesim.prn import permanent_uniforms
 
-__all__ = ["CERTIFIED_SCHEDULERS", "DEPLOYABLE", "SCHEDULERS", "STREAM_FETCH", "confidence_weights",
-           "random_priority"]
+__all__ = ["BOUND_SCHEDULERS", "CERTIFIED_SCHEDULERS", "DEPLOYABLE", "SCHEDULERS",
+           "STREAM_FETCH", "confidence_weights", "random_priority"]
 
 SCHEDULERS = ("none", "random", "confidence", "certificate", "certificate_page", "bound",
               "oracle", "certificate_bound")
 DEPLOYABLE = {s: s != "oracle" for s in SCHEDULERS}
 #: Schedulers that read the certificate, so need a certified base policy.
 CERTIFIED_SCHEDULERS = frozenset({"certificate", "certificate_page", "certificate_bound"})
+#: Schedulers that read the page bound.
+BOUND_SCHEDULERS = frozenset({"bound", "certificate", "certificate_page", "certificate_bound"})
 #: Permanent-random-number stream of fetch orders (0: inclusion, 1: score perturbations).
 STREAM_FETCH = 2
 

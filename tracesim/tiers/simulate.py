@@ -33,13 +33,15 @@ from tracesim.replay.engine import evaluated_queries
 from tracesim.replay.kept import event_inclusion
 from tracesim.tiers.model import MemoryModel
 from tracesim.tiers.schedulers import (
+    BOUND_SCHEDULERS,
     CERTIFIED_SCHEDULERS,
     SCHEDULERS,
     STREAM_FETCH,
     confidence_weights,
 )
 
-__all__ = ["check_inputs", "layer_memory_model", "prepare_inputs", "simulate_layer",
+__all__ = ["check_inputs", "kernel_pages", "layer_memory_model", "prepare_inputs",
+           "random_priorities", "simulate_layer", "tail_positions",
            "step_logprobs", "to_columns"]
 
 
@@ -94,18 +96,23 @@ def layer_memory_model(memory: MemoryModel, n_layers: int) -> MemoryModel:
                             t.queue_depth) for t in memory.lower))
 
 
-def _pages(trace: LayerTrace, kept: np.ndarray, page: int, token_bytes: int,
-           layer_memory: MemoryModel) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def kernel_pages(keys: np.ndarray, values: np.ndarray, kept: np.ndarray, page: int,
+                 token_bytes: int, layer_memory: MemoryModel
+                 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The evicted pages of every KV head (as :func:`tracesim.kernels.tiers.tiers_layer` takes
     them) and the block -> page map; the summaries are those of
-    :func:`tracesim.bounds.pages.build_page_summaries`, computed by the bound kernel."""
-    n_kv, N, d = trace.keys.shape
+    :func:`tracesim.bounds.pages.build_page_summaries`, computed by the bound kernel.
+
+    ``keys``, ``values`` (n_kv, N, d) float64 and ``kept`` (n_kv, N) cover at least every
+    evicted position; ``layer_memory`` places the pages (:func:`layer_memory_model`)."""
+    n_kv, N, d = keys.shape
     nb_max = -(-N // page)
     kmin, kmax, vcen = (np.empty((n_kv, nb_max, d)) for _ in range(3))
     vrad = np.empty((n_kv, nb_max))
     count, first, last = (np.empty((n_kv, nb_max), dtype=np.int64) for _ in range(3))
-    sizes = [build_pages(trace.keys[g], trace.values[g], kept[g], N - 1, page, kmin[g], kmax[g],
-                         vcen[g], vrad[g], count[g], first[g], last[g]) for g in range(n_kv)]
+    sizes = [build_pages(np.ascontiguousarray(keys[g]), np.ascontiguousarray(values[g]),
+                         np.ascontiguousarray(kept[g]), N - 1, page, kmin[g], kmax[g], vcen[g],
+                         vrad[g], count[g], first[g], last[g]) for g in range(n_kv)]
     off = np.cumsum([0] + sizes).astype(np.int64)
     block_slot = np.full((n_kv, nb_max), -1, dtype=np.int64)
     for g, m in enumerate(sizes):
@@ -121,18 +128,27 @@ def _pages(trace: LayerTrace, kept: np.ndarray, page: int, token_bytes: int,
     return pages, block_slot
 
 
-def _random_priorities(seed: int, layer: int, pages: dict[str, np.ndarray], page: int,
-                       n_steps: int) -> np.ndarray:
-    """:func:`tracesim.tiers.schedulers.random_priority` of every step and page, (NQ, NP)."""
+def random_priorities(seed: int, layer: int, pages: dict[str, np.ndarray], page: int,
+                      steps: np.ndarray) -> np.ndarray:
+    """:func:`tracesim.tiers.schedulers.random_priority` of every page at each of ``steps``
+    (decode step indices), shape (len(steps), NP)."""
     off = pages["off"]
-    out = np.empty((n_steps, off[-1]))
-    steps = np.arange(n_steps, dtype=np.int64)[:, None]
+    steps = np.asarray(steps, dtype=np.int64)[:, None]
+    out = np.empty((steps.shape[0], off[-1]))
     for g in range(off.size - 1):
         pid = pages["first"][off[g]:off[g + 1]] // page
         key = (steps * 65537 + pid[None, :]) % (1 << 32)
         out[:, off[g]:off[g + 1]] = permanent_uniforms(
             int(seed), int(layer), g, key.ravel(), stream=STREAM_FETCH).reshape(key.shape)
     return out
+
+
+def tail_positions(pi: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sampled kept positions (``pi < 1``) of every KV head, ascending, as the kernel takes
+    them: ``tail_pos[tail_off[g]:tail_off[g + 1]]``."""
+    tails = [np.flatnonzero(kept[g] & (pi[g] < 1.0)) for g in range(kept.shape[0])]
+    tail_off = np.cumsum([0] + [x.size for x in tails]).astype(np.int64)
+    return tail_off, np.concatenate(tails).astype(np.int64)
 
 
 def prepare_inputs(trace: LayerTrace, policy: Policy, seeds: np.ndarray,
@@ -186,8 +202,7 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
     conf_w = confidence_weights(step_logprobs(trace, qpos))
     layer_memory = layer_memory_model(memory, n_layers)
     sched = np.array([SCHEDULERS.index(s) for s in schedulers], dtype=np.int64)
-    need_bound = bool({"bound", "certificate", "certificate_page", "certificate_bound"}
-                      & set(schedulers))
+    need_bound = bool(BOUND_SCHEDULERS & set(schedulers))
     need_random = bool({"random", "confidence"} & set(schedulers))
     K = np.ascontiguousarray(trace.keys, dtype=np.float64)
     V = np.ascontiguousarray(trace.values, dtype=np.float64)
@@ -206,11 +221,10 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
         pi, kept = event_inclusion(trace, policy, int(seed), n_layers)
         pi = np.ascontiguousarray(pi, dtype=np.float64)
         kept = np.ascontiguousarray(kept, dtype=np.bool_)
-        pages, block_slot = _pages(trace, kept, memory.page, tb, layer_memory)
-        tails = [np.flatnonzero(kept[g] & (pi[g] < 1.0)) for g in range(n_kv)]
-        tail_off = np.cumsum([0] + [x.size for x in tails]).astype(np.int64)
-        tail_pos = np.concatenate(tails).astype(np.int64)
-        rprio = (_random_priorities(int(seed), trace.layer, pages, memory.page, NQ)
+        pages, block_slot = kernel_pages(trace.keys, trace.values, kept, memory.page, tb,
+                                         layer_memory)
+        tail_off, tail_pos = tail_positions(pi, kept)
+        rprio = (random_priorities(int(seed), trace.layer, pages, memory.page, np.arange(NQ))
                  if need_random else np.zeros((1, 1)))
         r = tiers_layer(K, V, Q, qpos, trace.scale, pi, kept, policy.correction == "hajek",
                         bool(policy.certified), memory.page, pages, block_slot, tail_off,
