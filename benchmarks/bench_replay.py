@@ -100,11 +100,18 @@ def _check(res, ref: dict, precision: str) -> None:
         if precision == "float64":
             np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-12, err_msg=name)
             continue
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=f"{name}: NaN pattern")
+        np.testing.assert_array_equal(np.isinf(a), np.isinf(b), err_msg=f"{name}: inf pattern")
         ok = np.isfinite(b)
         if name in ("err2", "cert2"):
-            assert (np.abs(a - b)[ok] <= 1e-4 * np.broadcast_to(o2, a.shape)[ok]).all(), name
+            worst = (np.abs(a - b) - 1e-4 * np.broadcast_to(o2, a.shape))[ok].max(initial=0.0)
+            if worst > 0:
+                raise AssertionError(f"{name}: beyond 1e-4 |o|^2 by {worst:.3g}")
         elif name == "wald":
-            assert np.abs(a - b)[ok].mean() <= 0.01, name
+            if np.abs(a - b)[ok].mean() > 0.01:
+                raise AssertionError(f"{name}: mean coverage difference over 0.01")
+        elif name == "tail":
+            np.testing.assert_array_equal(a[ok], b[ok], err_msg=name)  # a count: exact
         else:
             np.testing.assert_allclose(a[ok], b[ok], rtol=1e-4, atol=1e-6, err_msg=name)
 
@@ -117,8 +124,9 @@ def run(P: int, seeds: int, with_torch: bool, rounds: int, n_queries: int = 32,
                             hidden=576)
     pols = policies()
     seed_arr = np.arange(seeds)
-    warm = replay_layer(trace, pols[:4], seed_arr[:2], n_layers=30)
-    del warm
+    for output_space in (False, True):  # load (or compile) this precision's kernels
+        replay_layer(trace, pols[:4], seed_arr[:2], n_layers=30,
+                     options=ReplayOptions(output_space=output_space, precision=precision))
     times: dict[str, list[float]] = {"off": [], "off_cpu": [], "os": [], "torch": []}
     res = None
     for r in range(rounds):

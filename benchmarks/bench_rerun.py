@@ -117,6 +117,8 @@ def main() -> None:
                         help="alternated rounds (replay, then rerun); medians")
     parser.add_argument("--traces", default=None)
     args = parser.parse_args()
+    if args.decode < 1 or args.runs < 1 or args.rounds < 1:
+        parser.error("--decode, --runs and --rounds must be at least 1")
     import numba
 
     threads = numba.get_num_threads()

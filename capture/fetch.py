@@ -76,10 +76,16 @@ class FetchConfig:
                 "fetch_page": int(self.memory.page)}
 
 
+#: Bytes of float64 host copies of the layers' caches that a run keeps between decode steps
+#: (all layers together). Within it each position is converted once; beyond it (large models,
+#: long contexts) every step converts its layer's cache afresh and drops the copy.
+HOST_COPY_BYTES = 2 << 30
+
+
 @dataclass
 class _HostLayer:
-    """Float64 host copies of one layer's cache and plan, with room for ``keys.shape[1]``
-    positions (generated ones are take-all: ``pi = 1``, kept)."""
+    """Float64 host copies of one layer's cache and plan (generated positions are take-all:
+    ``pi = 1``, kept); ``keys``/``values`` hold positions ``< n`` and may be released."""
 
     plan: LayerPlan
     keys: np.ndarray     # (n_kv, capacity, d)
@@ -87,16 +93,26 @@ class _HostLayer:
     pi: np.ndarray       # (n_kv, capacity)
     kept: np.ndarray     # (n_kv, capacity)
     n: int               # positions copied so far
-    pages: LayerFetch | None
+    pages: LayerFetch | None = None
 
-    def grow(self, T: int) -> None:
-        n_kv, cap, d = self.keys.shape
-        new = T + 256
-        keys, values = np.empty((n_kv, new, d)), np.empty((n_kv, new, d))
-        pi, kept = np.ones((n_kv, new)), np.ones((n_kv, new), dtype=np.bool_)
-        keys[:, :cap], values[:, :cap] = self.keys, self.values
-        pi[:, :cap], kept[:, :cap] = self.pi, self.kept
-        self.keys, self.values, self.pi, self.kept = keys, values, pi, kept
+    def reserve(self, T: int) -> None:
+        """Room for ``T`` positions (in chunks, so that decode steps rarely reallocate)."""
+        n_kv, _, d = self.keys.shape
+        if self.pi.shape[1] < T:
+            old = self.pi.shape[1]
+            pi, kept = np.ones((n_kv, T + 256)), np.ones((n_kv, T + 256), dtype=np.bool_)
+            pi[:, :old], kept[:, :old] = self.pi, self.kept
+            self.pi, self.kept = pi, kept
+        if self.keys.shape[1] < T:
+            cap = self.pi.shape[1]
+            keys, values = np.empty((n_kv, cap, d)), np.empty((n_kv, cap, d))
+            keys[:, :self.n], values[:, :self.n] = self.keys[:, :self.n], self.values[:, :self.n]
+            self.keys, self.values = keys, values
+
+    def release(self) -> None:
+        """Drop the cache copies (the plan's pages, pi and kept stay)."""
+        n_kv, _, d = self.keys.shape
+        self.keys, self.values, self.n = np.empty((n_kv, 0, d)), np.empty((n_kv, 0, d)), 0
 
 
 class FetchState(EvictionState):
@@ -128,23 +144,27 @@ class FetchState(EvictionState):
         self.memory = layer_memory_model(fetch.memory, n_layers)
         self.fetch_log: list[tuple[int, int, StepFetch]] = []
         self._host: dict[int, _HostLayer] = {}
+        self._keep_host: bool | None = None  # decided on the first step (cache size known)
 
     def _host_layer(self, layer: int, plan: LayerPlan, key: torch.Tensor,
                     value: torch.Tensor) -> _HostLayer:
-        """The layer's float64 host state, each cache position converted once: a decode step
-        only appends to the cache, so only its new positions are copied (into buffers that
-        grow in chunks); the plan's pages are built on its first step."""
+        """The layer's float64 host state. A decode step only appends to the cache, so while
+        the copies fit in :data:`HOST_COPY_BYTES` only its new positions are converted; the
+        plan's pages are built on its first step."""
         n_kv, T, d = key.shape
+        if self._keep_host is None:
+            evicting = sum(1 for p in self.plans.values() if p.evicts)
+            self._keep_host = evicting * 2 * n_kv * (T + 256) * d * 8 <= HOST_COPY_BYTES
         h = self._host.get(layer)
         if h is None or h.plan is not plan:
             P = plan.kept.shape[1]
             h = _HostLayer(plan, np.empty((n_kv, 0, d)), np.empty((n_kv, 0, d)),
-                           np.empty((n_kv, 0)), np.empty((n_kv, 0), dtype=np.bool_), 0, None)
-            h.grow(T)
+                           np.empty((n_kv, 0)), np.empty((n_kv, 0), dtype=np.bool_), 0)
+            h.reserve(T)
             h.pi[:, :P] = plan.pi.numpy()
             h.kept[:, :P] = plan.kept.numpy()
-        elif h.keys.shape[1] < T:
-            h.grow(T)
+            self._host[layer] = h
+        h.reserve(T)
         if h.n < T:
             h.keys[:, h.n:T] = key[:, h.n:T].double().cpu().numpy()
             h.values[:, h.n:T] = value[:, h.n:T].double().cpu().numpy()
@@ -153,7 +173,6 @@ class FetchState(EvictionState):
             P = plan.kept.shape[1]
             h.pages = layer_fetch(h.keys[:, :P], h.values[:, :P], h.pi[:, :P], h.kept[:, :P],
                                   self.memory, hajek=plan.hajek, certified=plan.certified)
-        self._host[layer] = h
         return h
 
     def attend(self, layer, query, key, value, scaling):
@@ -166,6 +185,8 @@ class FetchState(EvictionState):
         f = step_fetch(h.pages, self.fetch.scheduler, float(self.fetch.budget),
                        query[0, :, 0].double().cpu().numpy(), h.keys, h.values, h.pi, h.kept,
                        kv_len, float(scaling), seed=self.seed, layer=layer, step=step)
+        if not self._keep_host:
+            h.release()
         self.fetch_log.append((step, layer, f))
         if f.pages_fetched == 0:
             return super().attend(layer, query, key, value, scaling)

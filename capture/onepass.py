@@ -160,7 +160,9 @@ def onepass_attention(
         alpha = torch.exp(m - safe)  # (H_kv, G); 0 while nothing was seen
         R = torch.empty(n_kv, n_rows, b - a, dtype=f32, device=dev)
         p = torch.softmax(s, -1, out=R[:, :G])
-        dead = torch.isinf(m_block)  # every key of the block masked for this row
+        # Every key of the block masked for this row (a +inf logit is not masked: it makes
+        # the output NaN, as the two-pass code does).
+        dead = torch.isneginf(m_block)
         if bool(dead.any()):
             p.masked_fill_(dead[..., None], 0.0)
         inv_l = p.amax(-1)  # softmax at the block's maximum is 1 / l_b

@@ -245,3 +245,30 @@ def test_bad_fetch_options_exit_2(tiny_store, tmp_path, capsys, extra, grid, wor
     assert rc == 2
     for w in words:
         assert w in err, err
+
+
+def test_host_copies_over_their_budget_are_converted_each_step_with_the_same_run(
+        tiny_store, monkeypatch):
+    """Beyond ``HOST_COPY_BYTES`` every step converts its layer's cache afresh; the fetches,
+    tokens and certificates are those of the run that keeps the copies."""
+    import capture.fetch as cf
+
+    store, loaded, seq, meta, P, pre = prefilled(tiny_store)
+    n = len(meta["generated_ids"])
+    policy = make_policy("snapkv", "poisson", 0.3, score_params={"window": 8})
+    plans = layer_plans(pre.traces, policy, 5)
+    fetch = FetchConfig("certificate_bound", 0.3, MemoryModel(page=4))
+    runs = []
+    for budget in (cf.HOST_COPY_BYTES, 0):
+        monkeypatch.setattr(cf, "HOST_COPY_BYTES", budget)
+        runs.append(decode_policy(loaded.model, pre, plans, n, set(), policy, 5, fetch=fetch))
+    kept, fresh = runs
+    assert kept.generated_ids == fresh.generated_ids
+    assert sum(f.pages_fetched for _, _, f in kept.fetch_log) > 0
+    for (s1, l1, f1), (s2, l2, f2) in zip(kept.fetch_log, fresh.fetch_log, strict=True):
+        assert (s1, l1, f1.bytes_moved, f1.stall_s) == (s2, l2, f2.bytes_moved, f2.stall_s)
+        for a, b in zip(f1.pages, f2.pages, strict=True):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(kept.certificates, fresh.certificates, strict=True):
+        for layer in a:
+            np.testing.assert_array_equal(a[layer][0], b[layer][0])

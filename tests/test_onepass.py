@@ -136,3 +136,19 @@ def test_fully_masked_blocks_and_far_logits_match_the_estimator(fixed):
         assert float(cert[h]) == pytest.approx(float(est.variance_trace), rel=1e-4, abs=1e-8)
     ref = output_space_certificate(c["q"][:, None, :], k, c["v"], pi, kept, c["W"], scale=scale)
     assert float(layer) == pytest.approx(float(ref.variance_trace[0]), rel=1e-4)
+
+
+def test_a_positive_infinite_logit_gives_nan_as_the_two_pass_code():
+    """A +inf bias (pi = 0 kept) is not mistaken for a masked block, in any block."""
+    c = _case(5, H=4, n_kv=2, T=64, d=8, P=60)
+    scale = 0.3
+    for pos in (5, 60):  # an early block, the last block
+        bias = c["bias"].float().clone()
+        bias[0, pos] = float("inf")
+        out, _, _ = onepass_attention(c["tq"].float(), c["tk"].float(), c["tv"].float(), bias,
+                                      c["weight"].float(), scale, block=16)
+        logits = torch.einsum("hd,htd->ht", c["tq"].float(),
+                              c["tk"].float().repeat_interleave(2, 0)) * scale
+        ref = torch.softmax(logits + bias.repeat_interleave(2, 0), -1)
+        assert torch.isnan(ref[:2]).all() and torch.isnan(out[:2]).all()
+        assert torch.isfinite(out[2:]).all()

@@ -493,7 +493,8 @@ def tiers_layer(K: np.ndarray, V: np.ndarray, Q: np.ndarray, qpos: np.ndarray, s
            "order": np.full((NS, NQ, pages["off"][-1]) if want_order else (0, 0, 0), -1,
                             dtype=np.int64)}
     work = int(np.sum(qpos + 1)) * H * d
-    fn = _layer_serial if work < SERIAL_BELOW else _layer_parallel
+    # one step (the in-loop fetch) has nothing to run in parallel
+    fn = _layer_serial if work < SERIAL_BELOW or NQ == 1 else _layer_parallel
     fn(K, V, Q, np.ascontiguousarray(qpos, dtype=np.int64), float(scale), pi, kept,
        bool(hajek), bool(certified), int(page), pages["off"], pages["first"], pages["count"],
        pages["kmin"], pages["kmax"], pages["vcen"], pages["vrad"], pages["bytes"],
