@@ -23,6 +23,9 @@ BENCHMARKS: dict[str, list[str]] = {
     "sweep": [],
     "evict": ["--repeats", "2"],
     "tiers": [],
+    "serving_certificate": ["--threads", "1", "--rounds", "9", "--calls", "3"],
+    "fetch": ["--rounds", "5"],
+    "cli": [],
 }
 
 
