@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.protocol import load_average  # noqa: E402
 
 
 def _run(cmd: list[str]) -> float:
@@ -62,14 +65,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for r in range(args.rounds):
             for name, cmd in commands.items():
                 times[name].append(_run(cmd))
-            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            load = load_average()
             print(f"round {r + 1}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items())
                   + f"; load average {load}", flush=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
     print(f"\n| command | median of {args.rounds} (s) |\n|---|---|")
     for name, t in medians.items():
         print(f"| {name} | {t:.2f} |")
-    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average at the end: {load_average()}")
     return medians
 
 

@@ -19,7 +19,6 @@ Usage: ``python benchmarks/bench_fetch.py [--context 1024 --steps 8 --rounds 3 -
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,9 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+from benchmarks.protocol import load_average, median_ratio  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -49,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from tracesim.policies import make_policy
 
     torch.set_num_threads(args.threads)
-    print(f"load average at start: {_load()}", flush=True)
+    print(f"load average at start: {load_average()}", flush=True)
     model = load_model("smollm2").model
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 20000, (args.context,), generator=gen).tolist()
@@ -75,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             per_step[name].append(decode(fetch))
         print(f"round {r + 1}: " + ", ".join(f"{n} {t[-1] * 1e3:.0f} ms/step"
                                              for n, t in per_step.items())
-              + f"; load average {_load()}", flush=True)
+              + f"; load average {load_average()}", flush=True)
     base = per_step["plain eviction"]
     medians = {name: statistics.median(t) for name, t in per_step.items()}
     print(f"\ncontext {args.context}, {args.steps} decode steps, torch threads "
@@ -83,9 +80,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print("| variant | ms per decode step | vs plain eviction (median per-round ratio) |")
     print("|---|---|---|")
     for name, t in per_step.items():
-        ratio = statistics.median(x / b for x, b in zip(t, base, strict=True))
+        ratio = median_ratio(t, base)
         print(f"| {name} | {medians[name] * 1e3:.1f} | {ratio:.2f}x |")
-    print(f"load average at the end: {_load()}")
+    print(f"load average at the end: {load_average()}")
     return medians
 
 

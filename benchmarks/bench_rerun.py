@@ -27,7 +27,6 @@ Usage: ``python benchmarks/bench_rerun.py [--context 1024 --decode 16 --seeds 32
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.protocol import load_average  # noqa: E402
 from tracesim.policies import policy_grid  # noqa: E402
 from tracesim.replay import replay  # noqa: E402
 from tracesim.store import open_store  # noqa: E402
@@ -102,10 +102,6 @@ class Rerun:
         return float(np.mean(times))
 
 
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1024)
@@ -129,7 +125,7 @@ def main() -> None:
                        design_params={"poisson": {"mixture": 0.1}},
                        score_params={"snapkv": {"window_source": "question"}})
     pairs = sum(args.seeds if p.needs_seeds else 1 for p in pols)
-    print(f"load average at start: {_load()}", flush=True)
+    print(f"load average at start: {load_average()}", flush=True)
     try:
         rerun = Rerun(args.context, args.decode, threads)
     except (ImportError, FileNotFoundError) as exc:
@@ -151,11 +147,11 @@ def main() -> None:
             t = time.perf_counter()
             table = replay(store, pols, seeds=args.seeds, sequences=seq, progress=False)
             replay_s.append(time.perf_counter() - t)
-            print(f"round {r + 1}: replay {replay_s[-1]:.2f} s [load {_load()}]", flush=True)
+            print(f"round {r + 1}: replay {replay_s[-1]:.2f} s [load {load_average()}]", flush=True)
             rerun_s.append(rerun.seconds(args.runs))
             ratios.append(rerun_s[-1] * pairs / replay_s[-1])
             print(f"round {r + 1}: rerun {rerun_s[-1]:.2f} s per configuration, "
-                  f"ratio {ratios[-1]:.0f}x [load {_load()}]", flush=True)
+                  f"ratio {ratios[-1]:.0f}x [load {load_average()}]", flush=True)
         n_pos = int(store[seq[0]].n_positions)
     per_run, t_replay = statistics.median(rerun_s), statistics.median(replay_s)
     print(f"traces: {label}; sequence of {n_pos} positions; threads {threads}")
@@ -168,7 +164,7 @@ def main() -> None:
     print(f"{'replay, all pairs, all 30 layers':<34} {t_replay:>10.1f}   "
           f"({table.num_rows} result rows)")
     print(f"replay speedup over rerun (median of the per-round ratios): "
-          f"{statistics.median(ratios):.0f}x; load average at the end: {_load()}")
+          f"{statistics.median(ratios):.0f}x; load average at the end: {load_average()}")
 
 
 if __name__ == "__main__":

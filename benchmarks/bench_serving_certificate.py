@@ -26,12 +26,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.protocol import load_average, median_ratio  # noqa: E402
 
 
 def make_case(args: argparse.Namespace) -> dict:
@@ -129,22 +134,20 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                     fn()
                 sync()
                 per_round[name].append((time.perf_counter() - t0) / args.calls)
-            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            load = load_average()
             print(f"round {r + 1}: " + ", ".join(
                 f"{n.split(' (')[0]} {t[-1] * 1e3:.2f}" for n, t in per_round.items())
                 + f" ms; load average {load}")
     medians = {name: statistics.median(t) for name, t in per_round.items()}
     # The ratio within each round pairs calls made seconds apart, so drifts in the machine's
     # speed cancel; its median over rounds is the headline.
-    ratios = {name: statistics.median(x / b for x, b in zip(t, per_round["attention"],
-                                                            strict=True))
-              for name, t in per_round.items()}
+    ratios = {name: median_ratio(t, per_round["attention"]) for name, t in per_round.items()}
     print(f"\n| variant | ms per call (median of {args.rounds}) | vs attention (median of the "
           f"per-round ratios) |")
     print("|---|---|---|")
     for name, t in medians.items():
         print(f"| {name} | {t * 1e3:.2f} | {ratios[name]:.2f}x |")
-    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average at the end: {load_average()}")
     return medians
 
 

@@ -26,6 +26,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.protocol import load_average  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> dict[int, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
         k, p = statistics.median(times["kernel"]), statistics.median(times["numpy"])
         ratios[n] = p / k
         print(f"| {n:,} | {k:.2f} | {p:.2f} | {p / k:.1f}x |", flush=True)
-    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average at the end: {load_average()}")
     return ratios
 
 

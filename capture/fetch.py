@@ -197,8 +197,10 @@ class FetchState(EvictionState):
         dev = key.device
         P = plan.bias.shape[1]
         page = self.memory.page
-        page_of = np.arange(P) // page
-        open_ = torch.from_numpy(np.stack([np.isin(page_of, ids) for ids in f.pages])).to(dev)
+        blocks = np.zeros((len(f.pages), -(-P // page)), dtype=np.bool_)
+        for g, ids in enumerate(f.pages):
+            blocks[g, ids] = True
+        open_ = torch.from_numpy(np.repeat(blocks, page, axis=1)[:, :P]).to(dev)
         bias = torch.where(open_, torch.zeros_like(x["bias"]), x["bias"])
         pad = (0, key.shape[2] - P)
         weight = None

@@ -288,6 +288,8 @@ def _tail_sums(w, cw, vnk, vqd, n, use_os, wd):
     s_c = 0.0
     s_q = 0.0
     s_qg = 0.0
+    # Two loops rather than a test inside one: without the output space ``vqd`` is empty, and
+    # the loop that runs by default stays a plain two-accumulator reduction.
     if use_os:
         for j in range(n):
             x = np.float64(w[j])

@@ -15,7 +15,14 @@ from tracesim.policies import LayerTrace, Policy
 from tracesim.replay.kept import event_inclusion
 from tracesim.tiers.model import MemoryModel
 from tracesim.tiers.schedulers import confidence_weights, random_priority
-from tracesim.tiers.simulate import layer_memory_model, prepare_inputs, step_logprobs, to_columns
+from tracesim.tiers.simulate import (
+    SUMS,
+    layer_memory_model,
+    prepare_inputs,
+    step_logprobs,
+    to_columns,
+    zero_sums,
+)
 
 __all__ = ["simulate_layer_reference"]
 
@@ -53,15 +60,9 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
     conf_w = confidence_weights(step_logprobs(trace, qpos))
     layer_memory = layer_memory_model(memory, n_layers)
 
-    err_before = np.zeros((H, NQ))
-    cert = np.zeros((H, NQ))
-    err_after = np.zeros((NS, NB, H, NQ))
-    kv_bytes = np.zeros((NS, NB, n_kv, NQ))
-    kv_pages = np.zeros((NS, NB, n_kv, NQ))
-    evicted = np.zeros((n_kv, NQ))
-    fetch_s = np.zeros((NS, NB, NQ))
-    stall_s = np.zeros((NS, NB, NQ))
-    tier_bytes = np.zeros((NS, NB, NQ, n_tiers))
+    sums = zero_sums(NS, NB, H, n_kv, NQ, n_tiers)
+    err_before, cert, err_after, kv_bytes, kv_pages, evicted, fetch_s, stall_s, tier_bytes = (
+        sums[k] for k in SUMS)
 
     for seed in seeds:
         pi, kept = event_inclusion(trace, policy, int(seed), n_layers)
@@ -222,5 +223,4 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                     stall_s[si, bi, a] += st[0]
                     tier_bytes[si, bi, a] += nb
 
-    return to_columns(trace, policy, memory, schedulers, budgets, seeds.size, qpos, err_before,
-                      cert, err_after, kv_bytes, kv_pages, evicted, fetch_s, stall_s, tier_bytes)
+    return to_columns(trace, policy, memory, schedulers, budgets, seeds.size, qpos, sums)

@@ -41,8 +41,8 @@ from tracesim.tiers.schedulers import (
 )
 
 __all__ = ["check_inputs", "kernel_pages", "layer_memory_model", "prepare_inputs",
-           "random_priorities", "simulate_layer", "tail_positions",
-           "step_logprobs", "to_columns"]
+           "modelled_times", "random_priorities", "simulate_layer", "tail_positions",
+           "step_logprobs", "SUMS", "to_columns", "zero_sums"]
 
 
 def step_logprobs(trace: LayerTrace, positions: np.ndarray) -> np.ndarray:
@@ -208,15 +208,7 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
     V = np.ascontiguousarray(trace.values, dtype=np.float64)
     Q = np.ascontiguousarray(trace.queries[:, qidx], dtype=np.float64)
 
-    err_before = np.zeros((H, NQ))
-    cert = np.zeros((H, NQ))
-    err_after = np.zeros((NS, NB, H, NQ))
-    kv_bytes = np.zeros((NS, NB, n_kv, NQ))
-    kv_pages = np.zeros((NS, NB, n_kv, NQ))
-    evicted = np.zeros((n_kv, NQ))
-    fetch_s = np.zeros((NS, NB, NQ))
-    stall_s = np.zeros((NS, NB, NQ))
-    tier_bytes = np.zeros((NS, NB, NQ, n_tiers))
+    sums = zero_sums(NS, NB, H, n_kv, NQ, n_tiers)
     for seed in seeds:
         pi, kept = event_inclusion(trace, policy, int(seed), n_layers)
         pi = np.ascontiguousarray(pi, dtype=np.float64)
@@ -229,30 +221,45 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
         r = tiers_layer(K, V, Q, qpos, trace.scale, pi, kept, policy.correction == "hajek",
                         bool(policy.certified), memory.page, pages, block_slot, tail_off,
                         tail_pos, sched, budgets, conf_w, rprio, need_bound, n_tiers)
-        err_before += r["err_before"]
-        cert += r["cert"]
-        err_after += r["err_after"]
-        kv_bytes += r["kv_bytes"]
-        kv_pages += r["kv_pages"]
-        evicted += r["evicted"]
-        tier_bytes += r["tier_nb"]
-        fetched_tokens = r["tier_nb"].sum(axis=3) / tb                        # (NS, NB, NQ)
-        kept_bytes = (r["kept_tokens"][None, None, :] + fetched_tokens) * tb
-        fs, st = layer_memory.step_times(r["tier_nf"].reshape(-1, n_tiers),
-                                         r["tier_nb"].reshape(-1, n_tiers), kept_bytes.ravel())
-        fetch_s += fs.reshape(NS, NB, NQ)
-        stall_s += st.reshape(NS, NB, NQ)
-    return to_columns(trace, policy, memory, schedulers, budgets, seeds.size, qpos, err_before,
-                      cert, err_after, kv_bytes, kv_pages, evicted, fetch_s, stall_s, tier_bytes)
+        for k in ("err_before", "cert", "err_after", "kv_bytes", "kv_pages", "evicted"):
+            sums[k] += r[k]
+        sums["tier_bytes"] += r["tier_nb"]
+        fs, st = modelled_times(layer_memory, r["tier_nf"], r["tier_nb"],
+                                r["kept_tokens"][None, None, :], tb)
+        sums["fetch_s"] += fs
+        sums["stall_s"] += st
+    return to_columns(trace, policy, memory, schedulers, budgets, seeds.size, qpos, sums)
+
+
+#: The per-layer sums over seeds that :func:`to_columns` reads, in :func:`zero_sums` order.
+SUMS = ("err_before", "cert", "err_after", "kv_bytes", "kv_pages", "evicted", "fetch_s",
+        "stall_s", "tier_bytes")
+
+
+def zero_sums(NS: int, NB: int, H: int, n_kv: int, NQ: int,
+              n_tiers: int) -> dict[str, np.ndarray]:
+    """The :data:`SUMS` of one layer, zeroed (shapes as :func:`to_columns` documents)."""
+    shapes = ((H, NQ), (H, NQ), (NS, NB, H, NQ), (NS, NB, n_kv, NQ), (NS, NB, n_kv, NQ),
+              (n_kv, NQ), (NS, NB, NQ), (NS, NB, NQ), (NS, NB, NQ, n_tiers))
+    return {k: np.zeros(shape) for k, shape in zip(SUMS, shapes, strict=True)}
+
+
+def modelled_times(layer_memory: MemoryModel, tier_nf: np.ndarray, tier_nb: np.ndarray,
+                   kept_tokens: np.ndarray, token_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Modelled fetch time and stall (seconds) of steps, from their fetches and bytes per lower
+    tier ``(..., n_tiers)`` and their kept tokens (broadcast to ``tier_nf.shape[:-1]``): the
+    step reads its kept tokens and the fetched ones."""
+    n_tiers = tier_nf.shape[-1]
+    kept_bytes = (kept_tokens + tier_nb.sum(axis=-1) / token_bytes) * token_bytes
+    fs, st = layer_memory.step_times(tier_nf.reshape(-1, n_tiers),
+                                     tier_nb.reshape(-1, n_tiers), kept_bytes.ravel())
+    return fs.reshape(kept_bytes.shape), st.reshape(kept_bytes.shape)
 
 
 def to_columns(trace: LayerTrace, policy: Policy, memory: MemoryModel,
                schedulers: tuple[str, ...], budgets: np.ndarray, n_seeds: int,
-               qpos: np.ndarray, err_before: np.ndarray, cert: np.ndarray,
-               err_after: np.ndarray, kv_bytes: np.ndarray, kv_pages: np.ndarray,
-               evicted: np.ndarray, fetch_s: np.ndarray, stall_s: np.ndarray,
-               tier_bytes: np.ndarray) -> dict[str, np.ndarray]:
-    """Output columns from the sums over seeds.
+               qpos: np.ndarray, sums: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Output columns from the sums over seeds (:func:`zero_sums`):
 
     ``err_before``, ``cert`` (H, NQ); ``err_after`` (NS, NB, H, NQ); ``kv_bytes``, ``kv_pages``
     (NS, NB, n_kv, NQ); ``evicted`` (n_kv, NQ); ``fetch_s``, ``stall_s`` (NS, NB, NQ), seconds;
@@ -260,6 +267,8 @@ def to_columns(trace: LayerTrace, policy: Policy, memory: MemoryModel,
     """
     H, G = trace.n_heads, trace.group_size
     NS, NB, NQ = len(schedulers), budgets.size, qpos.size
+    err_before, cert, err_after, kv_bytes, kv_pages, evicted, fetch_s, stall_s, tier_bytes = (
+        sums[k] for k in SUMS)
     n = float(n_seeds)
     shape = (NS, NB, H, NQ)
     head = np.broadcast_to(np.arange(H)[None, None, :, None], shape)

@@ -31,6 +31,7 @@ from tracesim.tiers.schedulers import BOUND_SCHEDULERS, SCHEDULERS
 from tracesim.tiers.simulate import (
     kernel_pages,
     layer_memory_model,
+    modelled_times,
     random_priorities,
     tail_positions,
 )
@@ -153,10 +154,10 @@ def step_fetch(lf: LayerFetch, scheduler: str, budget: float, query: np.ndarray,
     n_kv = keys.shape[0]
     pages, page, memory = lf.pages, lf.memory.page, lf.memory
     n_tiers = len(memory.lower)
-    tb = memory.token_bytes(keys.shape[2])
     t = int(n_positions) - 1
     if scheduler == "none" or lf.n_pages == 0:
         sel = np.zeros(0, dtype=np.int64)
+        nf, nb = np.zeros(n_tiers), np.zeros(n_tiers)
         kept_tokens = float(np.count_nonzero(kept[:, :t + 1]))
     else:
         rprio = (random_priorities(int(seed), int(layer), pages, page, np.array([step]))
@@ -168,13 +169,12 @@ def step_fetch(lf: LayerFetch, scheduler: str, budget: float, query: np.ndarray,
                         np.array([float(budget)]), np.ones(1), rprio,
                         scheduler in BOUND_SCHEDULERS, n_tiers, want_order=True)
         sel = r["order"][0, 0, :r["nsel"][0, 0, 0]]
+        nf, nb = r["tier_nf"][0, 0, 0], r["tier_nb"][0, 0, 0]
         kept_tokens = float(r["kept_tokens"][0])
     off = pages["off"]
     per_head = [np.sort(pages["first"][sel[(sel >= off[g]) & (sel < off[g + 1])]] // page)
                 for g in range(n_kv)]
-    nf = np.bincount(pages["tier"][sel], minlength=n_tiers).astype(np.float64)
-    nb = np.bincount(pages["tier"][sel], weights=pages["bytes"][sel], minlength=n_tiers)
-    moved = float(pages["bytes"][sel].sum())
-    fs, st = memory.step_times(nf[None], nb[None], np.array([(kept_tokens + moved / tb) * tb]))
-    return StepFetch(per_head, moved, float(sel.size), float(pages["bytes"].sum()),
-                     float(fs[0]), float(st[0]), nb)
+    fs, st = modelled_times(memory, nf, nb, np.float64(kept_tokens),
+                            memory.token_bytes(keys.shape[2]))
+    return StepFetch(per_head, float(nb.sum()), float(sel.size), float(pages["bytes"].sum()),
+                     float(fs), float(st), nb)
