@@ -4,8 +4,10 @@ Builds one SmolLM2-shaped layer (9 query heads, 3 KV heads, d = 64, hidden 576, 
 with ``--positions`` positions in memory: random keys with a few heavy tokens, random values, 32
 question-window queries and ``--decode`` decode queries at the end, and a heavy-tailed H2O
 score. No stored outputs (the output check is skipped). It then replays ``--policies`` x
-``--seeds`` with the output-space certificate on and prints the process's peak RSS
-(``resource.getrusage``, ``ru_maxrss``) after building the layer and after the replay.
+``--seeds`` with the output-space certificate on and prints the process's own peak RSS
+(``VmHWM`` of ``/proc/self/status``, :func:`benchmarks.protocol.peak_rss_mb`) after building
+the layer and after the replay. ``ru_maxrss`` would not do: Linux carries a parent's peak into
+a child across fork and exec, so the figure would depend on whoever started the benchmark.
 
 The replay holds at most :data:`tracesim.replay.engine.LOGIT_BUDGET_BYTES` of logits; what
 grows with P is K, V (float64, ``n_kv x P x d x 8`` bytes each), the permanent uniforms
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -29,10 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from benchmarks.protocol import peak_rss_mb  # noqa: E402
 
 
 def long_layer(P: int, n_decode: int = 64, n_heads: int = 9, n_kv: int = 3, d: int = 64,

@@ -24,13 +24,20 @@ def calibrate(spec: SweepSpec, plan: TaskPlan, threads: int,
               max_configs: int = 12) -> Calibration:
     """Time one layer of the median task with up to ``max_configs`` of its configurations.
 
-    The JIT is warmed up first (not timed). Work is counted as in :func:`plan_tasks`.
+    The JIT is warmed up first (not timed). Work is counted as in :func:`plan_tasks`. The
+    caller's thread counts are restored afterwards.
     """
+    from tracesim.sweep.worker import threads_limited
+
+    with threads_limited(threads):
+        return _calibrate(spec, plan, max_configs)
+
+
+def _calibrate(spec: SweepSpec, plan: TaskPlan, max_configs: int) -> Calibration:
     from tracesim.replay import layer_batch, load_layer, replay_layer
     from tracesim.store import open_store
-    from tracesim.sweep.worker import configure_threads, warm_up
+    from tracesim.sweep.worker import warm_up
 
-    configure_threads(threads)
     warm_up()
     task = plan.tasks[len(plan.tasks) // 2]
     store = open_store(task.store_path)

@@ -7,6 +7,7 @@ so tasks stay tiny and the output directory and stores must be on a filesystem e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -18,8 +19,8 @@ import numpy as np
 from tracesim.atomic import atomic_output, atomic_write_bytes
 from tracesim.sweep.spec import code_fingerprint
 
-__all__ = ["LOADED_CODE", "configure_threads", "execute_task", "init_worker", "warm_up",
-           "write_configs"]
+__all__ = ["LOADED_CODE", "configure_threads", "execute_task", "init_worker", "threads_limited",
+           "warm_up", "write_configs"]
 
 #: Fingerprint of tracesim's source as this process imported it (forkserver children inherit
 #: the server's): tasks refuse to run when the driver planned with different code.
@@ -43,6 +44,22 @@ def configure_threads(threads: int) -> int:
     numba.set_num_threads(t)
     threadpool_limits(limits=t)
     return t
+
+
+@contextlib.contextmanager
+def threads_limited(threads: int):
+    """:func:`configure_threads` for a block of work in the caller's own process, restoring
+    numba's and BLAS/OpenMP's thread counts afterwards (an in-process calibration must not
+    leave a notebook or a test session single-threaded)."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    before = numba.get_num_threads()
+    with threadpool_limits(limits=max(1, int(threads))):
+        try:
+            yield configure_threads(threads)
+        finally:
+            numba.set_num_threads(before)
 
 
 def _synthetic_trace(seed: int = 0):
