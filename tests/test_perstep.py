@@ -262,3 +262,23 @@ def test_per_step_results_are_bit_identical_across_threads(trace):
         numba.set_num_threads(before)
     assert one.out.tobytes() == two.out.tobytes()
     assert one.lout.tobytes() == two.lout.tobytes()
+
+
+def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
+    from analysis.adaptive import adaptive_table
+    from tests.replay_fixtures import build_store
+    from tracesim.replay import replay
+    from tracesim.store import open_store
+
+    store = open_store(build_store(tmp_path / "store", n_seqs=2, n_layers=1))
+    pols = [make_policy("perstep", d, 0.4, schedule="step", score_params={"proxy": p,
+                                                                          "window": 8})
+            for p in ("exact", "quant:2") for d in ("topk", "poisson")]
+    df = replay(store, pols, seeds=4, progress=False).to_pandas()
+    table = adaptive_table(df, head_dim=8)
+    assert len(table) == 4 and set(table.proxy) == {"exact", "quant:2"}
+    assert (table[table.design == "topk"].mse_vs_topk == 1).all()
+    rnd = table[table.design == "poisson"]
+    assert rnd.wald.between(0, 1).all() and rnd.mse_vs_topk.notna().all()
+    assert table[table.design == "topk"].wald.isna().all()  # uncertified: no coverage
+    assert (table.proxy_bits == [128, 128, 8 * 3, 8 * 3]).all()
