@@ -68,7 +68,7 @@ def policies() -> list:
     # The synthetic trace records 8-query windows: SnapKV reads its question-window queries.
     return [make_policy(s, d, b, design_params={"mixture": 0.1} if d == "poisson" else None,
                         score_params={"window_source": "question"} if s == "snapkv" else None)
-            for s in SCORES for d in DESIGNS for b in BUDGETS]
+            for s in SCORES if not SCORES[s].per_step for d in DESIGNS for b in BUDGETS]
 
 
 def useful_flops(res, pols) -> float:

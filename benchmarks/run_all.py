@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "serving_certificate": ["--threads", "1", "--rounds", "9", "--calls", "3"],
     "fetch": ["--rounds", "5"],
     "cli": [],
+    "perstep": ["--rounds", "5"],
 }
 
 

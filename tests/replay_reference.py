@@ -13,7 +13,7 @@ from scipy import stats
 from tests.reference import full_attention_reference, hajek_reference, output_space_reference
 from tracesim.kernels import replay as K
 from tracesim.replay.engine import evaluated_queries
-from tracesim.replay.inclusion import InclusionTables, seed_uniforms
+from tracesim.replay.inclusion import InclusionTables, event_uniforms, seed_uniforms
 
 
 def reference_replay(trace, policies, seeds, tables: InclusionTables, alpha: float = 0.05):
@@ -37,7 +37,10 @@ def reference_replay(trace, policies, seeds, tables: InclusionTables, alpha: flo
         for a, (qi, t) in enumerate(zip(qidx, qpos, strict=True)):
             e = qev[a]
             pi = tables.pi[e]
-            kept = (tables.kmask[ks] > 0) if ks >= 0 else (u[s] < pi)
+            # fresh per-step events draw their own uniforms (stream 2**31 + step)
+            u_e = np.stack([event_uniforms(tables, e, int(seeds[s]), trace.layer, g, u[s, g])
+                            for g in range(trace.n_kv_heads)])
+            kept = (tables.kmask[ks] > 0) if ks >= 0 else (u_e < pi)
             vis = slice(0, t + 1)
             for h in range(H):
                 g = h // G
@@ -101,7 +104,9 @@ def reference_replay(trace, policies, seeds, tables: InclusionTables, alpha: flo
                 for a, (qi, t) in enumerate(zip(qidx, qpos, strict=True)):
                     e = qev[a]
                     pi = tables.pi[e][:, :t + 1]
-                    kept = ((tables.kmask[ks] > 0) if ks >= 0 else (u[s] < tables.pi[e]))
+                    u_e = np.stack([event_uniforms(tables, e, int(seeds[s]), trace.layer, g,
+                                                   u[s, g]) for g in range(trace.n_kv_heads)])
+                    kept = ((tables.kmask[ks] > 0) if ks >= 0 else (u_e < tables.pi[e]))
                     lout[it, a, K.L_CERT2] = output_space_reference(
                         trace.queries[:, [qi]], trace.keys[:, :t + 1], trace.values[:, :t + 1],
                         pi, kept[:, :t + 1], W, trace.scale)[0]

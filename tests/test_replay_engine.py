@@ -38,6 +38,17 @@ def _policies():
         make_policy("keyformer", "topk", 0.3, score_params=sp),
         make_policy("random", "bernoulli", 0.3),
         make_policy("random", "bernoulli", 0.3, correction="hajek"),
+        # per-step designs: a fresh sample from a proxy of every decode query
+        make_policy("perstep", "poisson", 0.3, schedule="step", design_params={"mixture": 0.1},
+                    score_params={**sp, "proxy": "exact"}),
+        make_policy("perstep", "topk", 0.3, schedule="step",
+                    score_params={**sp, "proxy": "quant:2"}),
+        make_policy("perstep", "poisson", 0.3, schedule="step:permanent",
+                    score_params={**sp, "proxy": "pages:4", "gqa": "max"}),
+        make_policy("perstep", "poisson", 0.3, schedule="step",
+                    score_params={**sp, "proxy": "simhash:4,16", "top_fraction": 0.0}),
+        make_policy("perstep", "poisson", 0.3, schedule="step",
+                    score_params={**sp, "proxy": "lowrank:4", "linearised": True}),
     ]
 
 

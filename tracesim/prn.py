@@ -36,6 +36,11 @@ With signed 64-bit integers (torch has no full uint64 arithmetic), compute the l
 
 Streams separate independent uses of the same key: :data:`STREAM_INCLUSION` decides which tail
 tokens are kept; other streams feed perturbations (e.g. the Gumbel noise of keyformer-like scores).
+Per-step designs with fresh uniforms (schedule ``step``) decide the kept set of the decode
+query at position ``t`` with stream ``STREAM_STEP + t`` = ``2**31 + t`` (:func:`step_stream`),
+so each step's sample is independent of every other step's and of stream 0, and the same
+``(seed, layer, kv_head, position)`` key is reused; ``t < 2**31``. Stream 2 seeds the SimHash
+proxy's hyperplanes (:data:`STREAM_HASH`).
 """
 
 from __future__ import annotations
@@ -45,15 +50,28 @@ import numpy as np
 
 __all__ = [
     "PRN_VERSION",
+    "STREAM_HASH",
     "STREAM_INCLUSION",
     "STREAM_PERTURBATION",
+    "STREAM_STEP",
     "permanent_uniforms",
+    "step_stream",
     "uniform_grid",
 ]
 
 PRN_VERSION = 1
 STREAM_INCLUSION = 0
 STREAM_PERTURBATION = 1
+STREAM_HASH = 2
+STREAM_STEP = 1 << 31
+
+
+def step_stream(position: int) -> int:
+    """Stream of the fresh per-step uniforms of the decode query at ``position``."""
+    position = int(position)
+    if not 0 <= position < STREAM_STEP:
+        raise ValueError(f"step position must be in [0, 2**31), got {position}")
+    return STREAM_STEP + position
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _M1 = np.uint64(0x7FEB352D)
@@ -94,6 +112,18 @@ def _uniform(seed: np.uint64, stream: np.uint64, layer: np.uint64, kv_head: np.u
     hi = float(h >> _S6)
     lo = float(g >> _S6)
     return (hi * _TWO26 + lo + 0.5) / _TWO52
+
+
+@nb.njit(cache=True)
+def step_uniforms_into(seed, stream, layer, kv_head, end, out):
+    """Uniforms of ``stream`` for positions ``[0, end)`` into ``out[:end]``; ``out[end:]`` = 0
+    (every later position is kept whatever its ``pi``). For compiled callers (the replay
+    kernel draws each fresh per-step sample here instead of storing one table per step)."""
+    for p in range(end):
+        out[p] = _uniform(np.uint64(seed), np.uint64(stream), np.uint64(layer),
+                          np.uint64(kv_head), np.uint64(p))
+    for p in range(end, out.size):
+        out[p] = 0.0
 
 
 @nb.njit(cache=True)

@@ -39,6 +39,7 @@ from tracesim.kernels.replay_events import (
     gather_kept,
     largest_sampled_out,
 )
+from tracesim.prn import step_uniforms_into
 
 # Fields of ``out[iteration, head, query, :]``.
 F_ERR2, F_REL, F_CERT2, F_CERT2_SMALL, F_TAIL, F_NEFF, F_WALD, F_WALD_T, F_TRV2 = range(9)
@@ -411,13 +412,17 @@ def _layer_error(errT, rpack, roff, rstart, lerr):
 
 @nb.njit(cache=True, parallel=True)
 def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev, kmask,
-                  u, it_cfg, it_seed, it_slot, it_kslot, flags, z_wald, t_table, gblk, vq,
-                  pidx, rpack, roff, rstart, want_trv2, stats, top, xta, zta, nta, out, lout):
+                  u, ev_stream, seed_values, layer, it_cfg, it_seed, it_slot, it_kslot, flags,
+                  z_wald, t_table, gblk, vq, pidx, rpack, roff, rstart, want_trv2, stats, top,
+                  xta, zta, nta, out, lout):
     """Replay every iteration (policy, seed) over one layer; see the module docstring.
 
     Shapes: ``E`` (H, NQ, P); ``zfull`` (H, NQ); ``V`` (n_kv, P, d); ``vn2`` (n_kv, P) = ``|v|^2``;
     ``truth`` (H, NQ, d); ``qpos`` (NQ,); ``pi`` (n_events, n_kv, P); ``kmask`` (>=1, n_kv, P);
-    ``u`` (S, n_kv, P); ``flags`` (n_cfg, 3) = (corrected, certify, fixed variance);
+    ``u`` (S, n_kv, P) permanent uniforms (stream 0); ``ev_stream`` (n_events,): -1 where the
+    event's kept set is decided by ``u``, else the stream of its fresh per-step uniforms, drawn
+    here from ``seed_values`` (S,) and ``layer`` (:func:`tracesim.prn.step_uniforms_into`);
+    ``flags`` (n_cfg, 3) = (corrected, certify, fixed variance);
     ``t_table`` (P + 2,) Student quantiles by tail size; for the output space ``gblk``
     (n_kv, G, d, G*d): row blocks of each group's ``W_g^T W_g``, ``vq`` (n_kv, n_pairs, P),
     and the layer error's packed triangular factor ``rpack``/``roff``/``rstart``
@@ -444,12 +449,17 @@ def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev
         lcert = np.zeros(NQ)
         keptflag = np.empty(P, dtype=np.bool_)
         kept_idx = np.empty(P, dtype=np.int64)
+        ufresh = np.empty(P)
         for g in range(n_kv):
             for e in range(slot_ev[slot], slot_ev[slot + 1]):
                 qrows = ev_q[ev_qptr[e]:ev_qptr[e + 1]]
                 if qrows.size == 0:
                     continue
-                mt, m, kb, ex = gather_kept(pi[e, g], u[s, g], kmask[max(ks, 0), g], ks >= 0,
+                urow = u[s, g]
+                if ev_stream[e] >= 0:
+                    step_uniforms_into(seed_values[s], ev_stream[e], layer, g, tau[e], ufresh)
+                    urow = ufresh
+                mt, m, kb, ex = gather_kept(pi[e, g], urow, kmask[max(ks, 0), g], ks >= 0,
                                             tau[e], keptflag, kept_idx)
                 _unit(E, zfull, V[g], vn2[g], truth, qpos, qrows, ev_qptr[e], g, G,
                       pi[e, g], keptflag, kept_idx, mt, m, kb, ex, e - slot_ev[slot],

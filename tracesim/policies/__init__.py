@@ -12,6 +12,7 @@ score          rule                                                  non-negativ
 ``keyformer``  Gumbel-perturbed accumulated attention                ``h2o · exp(tau g)``
 ``random``     uniform noise (naive baseline, uncorrected)           ``u`` in (0, 1)
 ``oracle``     the decode queries' own attention (not deployable)    mass, as is
+``perstep``    a proxy of each step's own query (schedule ``step``)  proxy mass, as is
 ``full``       no eviction (the reference)                           —
 =============  ====================================================  ======================
 
@@ -34,6 +35,7 @@ from tracesim.policies.keyformer import KeyformerScore
 from tracesim.policies.knorm import KNormScore
 from tracesim.policies.kvpress import KVPRESS_ALIASES, KVPRESS_SCORES
 from tracesim.policies.oracle import OracleScore
+from tracesim.policies.perstep import PerStepScore
 from tracesim.policies.policy import CORRECTIONS, POLICY_COLUMNS, Policy
 from tracesim.policies.snapkv import SnapKVScore
 from tracesim.policies.streaming import StreamingScore
@@ -44,14 +46,15 @@ from tracesim.schedules import Schedule
 
 __all__ = [
     "CORRECTIONS", "POLICY_COLUMNS", "SCORES", "FullScore", "H2OScore", "KNormScore",
-    "KeyformerScore", "LayerTrace", "OracleScore", "Policy", "RandomScore", "Score", "SnapKVScore",
-    "StreamingScore", "TOVAScore", "VNormScore", "make_policy", "make_score", "policy_grid",
+    "KeyformerScore", "LayerTrace", "OracleScore", "PerStepScore", "Policy", "RandomScore",
+    "Score", "SnapKVScore", "StreamingScore", "TOVAScore", "VNormScore", "make_policy",
+    "make_score", "policy_grid",
     "take_all_mask", "SCORE_REGISTRY",
 ]
 
 SCORES: dict[str, type[Score]] = {cls.name: cls for cls in (
     StreamingScore, H2OScore, SnapKVScore, TOVAScore, KNormScore, VNormScore, KeyformerScore,
-    RandomScore, OracleScore, FullScore)}
+    RandomScore, OracleScore, PerStepScore, FullScore)}
 SCORES.update(KVPRESS_SCORES)
 #: Built-ins + kvpress aliases + plugins (entry points ``tracesim.scores``, decorator).
 SCORE_REGISTRY = Registry("score", SCORE_GROUP, SCORES, Score)
@@ -77,7 +80,8 @@ def make_policy(
     """Convenience constructor: ``make_policy("snapkv", "poisson", 0.25)``.
 
     A float ``budget`` is a fraction if <= 1, else a token count; a ``schedule`` string is
-    ``"oneshot"`` or ``"decode"`` / ``"decode:K"`` (every K steps); ``summary_page`` is the
+    ``"oneshot"``, ``"decode"`` / ``"decode:K"`` (every K steps) or ``"step"`` /
+    ``"step:permanent"`` (per-step designs, fresh or permanent uniforms); ``summary_page`` is the
     page size of the missing-token summaries (0 = none, see :class:`Policy`).
     """
     if isinstance(score, str):
@@ -89,7 +93,10 @@ def make_policy(
         budget = Budget(value) if value <= 1.0 else Budget(int(value), unit="tokens")
     if isinstance(schedule, str):
         kind, _, every = schedule.partition(":")
-        schedule = Schedule(kind, int(every)) if every else Schedule(kind)
+        if kind == "step":
+            schedule = Schedule("step", coordination=every or "fresh")
+        else:
+            schedule = Schedule(kind, int(every)) if every else Schedule(kind)
     return Policy(score=score, design=design, correction=correction, budget=budget,
                   schedule=schedule, summary_page=summary_page)
 

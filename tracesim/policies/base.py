@@ -70,6 +70,9 @@ class Score:
         ``oracle`` reads the future decode queries); reported in the ``deployable`` column.
     transform : str
         How raw importance becomes a non-negative score (documentation).
+    per_step : bool
+        The score reads the query of the step it is evaluated at (per-step designs, schedule
+        ``step``); every other score is computed at eviction events from what exists then.
     """
 
     name: ClassVar[str] = "score"
@@ -78,6 +81,7 @@ class Score:
     evicts: ClassVar[bool] = True
     deployable: ClassVar[bool] = True
     transform: ClassVar[str] = ""
+    per_step: ClassVar[bool] = False
 
     sinks: int = 4
     window: int = 32

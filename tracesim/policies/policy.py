@@ -98,6 +98,16 @@ class Policy:
         if self.design.variance == "fixed" and self.schedule.kind != "oneshot":
             raise ValueError("fixed-size designs support only the one-shot schedule (the nested "
                              "rule u < min pi is a Poisson design, not a fixed-size one)")
+        if self.schedule.per_step != self.score.per_step:
+            raise ValueError(
+                f"Policy {self.score.name}: schedule {self.schedule.label()!r} "
+                + ("needs a per-step score (perstep: pi from a proxy of each step's query)"
+                   if self.schedule.per_step else
+                   "is not 'step'; a per-step score redraws its sample at every decode step, "
+                   "expected schedule 'step' (or 'step:permanent')"))
+        if self.schedule.per_step and self.summary_page:
+            raise ValueError("Policy.summary_page: page summaries are not available for per-step "
+                             "designs (the whole cache is held in the lower tier); expected 0")
 
     @property
     def certified(self) -> bool:
@@ -157,7 +167,7 @@ class Policy:
                                                         **asdict(self.design)},
             "correction": self.correction,
             "budget": None if self.budget is None else asdict(self.budget),
-            "schedule": asdict(self.schedule),
+            "schedule": self.schedule.params(),
         }, sort_keys=True)
 
     @classmethod

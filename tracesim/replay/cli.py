@@ -64,8 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allocator", default="uniform", choices=("uniform", "adakv", "pyramidkv"),
                    help="how the budget is spread over heads (adakv) and layers (pyramidkv)")
     p.add_argument("--schedule", default="oneshot",
-                   help="'oneshot' (compress once after prefill) or 'decode:K' (evict every "
-                   "K decode steps)")
+                   help="'oneshot' (compress once after prefill), 'decode:K' (evict every "
+                   "K decode steps), or 'step' / 'step:permanent' (per-step designs: a fresh "
+                   "sample at every decode step, score perstep)")
     p.add_argument("--mixture", type=float, default=None,
                    help="defensive mixture weight in [0, 1] of poisson/fixed designs "
                    "(default 0)")

@@ -403,7 +403,8 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
             o = out if whole else np.empty((n_it, H, nq, N_FIELDS))
             lo = lout if whole else np.empty((n_it, nq, N_LAYER_FIELDS))
             replay_kernel(E, zf, V, vn2, tr, qp, tables.pi, tables.tau, ev_qptr, ev_q,
-                          tables.slot_ev, kmask, u, tables.it_cfg, tables.it_seed,
+                          tables.slot_ev, kmask, u, tables.ev_stream, seeds, int(trace.layer),
+                          tables.it_cfg, tables.it_seed,
                           tables.it_slot, tables.it_kslot, flags, setup.z, ttab, gblk, vq,
                           pidx, rpack, roff, rstart, bool(options.satterthwaite), ev_stats, top,
                           xta, zta, nta, o, lo)

@@ -14,11 +14,11 @@ import numpy as np
 
 from tracesim.designs import Design
 from tracesim.policies import LayerTrace, Policy
-from tracesim.prn import uniform_grid
+from tracesim.prn import permanent_uniforms, step_stream, uniform_grid
 from tracesim.schedules import event_of_queries, nested_inclusion
 
-__all__ = ["InclusionTables", "build_inclusion", "fixed_kept", "head_inclusion", "seed_uniforms",
-           "slot_events"]
+__all__ = ["InclusionTables", "build_inclusion", "event_uniforms", "fixed_kept", "fresh_uniforms",
+           "head_inclusion", "seed_uniforms", "slot_events"]
 
 
 def _usable_scores(x: np.ndarray, n: int) -> np.ndarray:
@@ -97,6 +97,9 @@ class InclusionTables:
         Effective inclusion probabilities after each event (1 for tokens not yet compressed).
     tau : ndarray of int64, shape (n_events,)
         Event times (the cache holds positions < tau when the event fires).
+    ev_stream : ndarray of int64, shape (n_events,)
+        -1 where the kept set is ``u < pi`` with the permanent uniforms of stream 0; else the
+        stream of the event's own uniforms (fresh per-step designs, :func:`event_uniforms`).
     ev_qptr, ev_q : ndarray of int64
         Queries (indices into the evaluated queries) of event e: ``ev_q[ev_qptr[e]:ev_qptr[e+1]]``.
     slot_ev : ndarray of int64, shape (n_slots + 1,)
@@ -115,6 +118,7 @@ class InclusionTables:
 
     pi: np.ndarray
     tau: np.ndarray
+    ev_stream: np.ndarray
     ev_qptr: np.ndarray
     ev_q: np.ndarray
     slot_ev: np.ndarray
@@ -146,10 +150,13 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
     if not score.evicts:
         return np.ones((1, n_kv, P)), np.array([trace.prompt_length]), np.full(
             (1, n_kv), trace.prompt_length, dtype=np.int64)
+    per_step = policy.schedule.per_step
     L = score.compress_end(trace)
-    tau = policy.schedule.event_times(L, trace.prompt_length, int(qpos.max()))
+    tau = policy.schedule.event_times(L, trace.prompt_length, int(qpos.max()), qpos)
     B = policy.budget.tokens(L)
-    deterministic = not policy.design.randomized
+    # A per-step design redraws from the whole cache at every step: nothing is nested and
+    # nothing is gone for good; its budget is a share of the step's own cache [0, t).
+    deterministic = not policy.design.randomized and not per_step
     raw = np.ones((tau.size, n_kv, P))
     budgets = np.zeros((tau.size, n_kv), dtype=np.int64)
     for e, t in enumerate(tau):
@@ -162,7 +169,8 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
             xs.append(x)
             masks.append(a)
             tails.append(x[~a] if alive is None else x[~a & alive])
-        tb = max(0, B - int(masks[0].sum()))
+        B_e = policy.budget.tokens(t) if per_step else B
+        tb = max(0, B_e - int(masks[0].sum()))
         alloc = policy.budget.allocate(tails, policy.budget.layer_tail_budget(
             tb, trace.layer, n_layers))
         for g in range(n_kv):
@@ -170,7 +178,7 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
             raw[e, g, :t] = head_inclusion(xs[g], masks[g], policy.design, int(alloc[g]),
                                            score.top_fraction, alive)
             budgets[e, g] = int(masks[g].sum()) + int(alloc[g])
-    return nested_inclusion(raw), tau, budgets
+    return (raw if per_step else nested_inclusion(raw)), tau, budgets
 
 
 def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
@@ -190,7 +198,7 @@ def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray
     n_layers : int
         For the PyramidKV schedule.
     """
-    pis, taus, budgets, qptr, qlist = [], [], [], [0], []
+    pis, taus, streams, budgets, qptr, qlist = [], [], [], [], [0], []
     slot_ev, kmasks = [0], []
     it_cfg, it_seed, it_slot, it_kslot, context, nominal = [], [], [], [], [], []
     n_events = 0
@@ -212,6 +220,8 @@ def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray
                 qptr.append(qptr[-1] + members.size)
             pis.append(pi)
             taus.append(tau)
+            streams.append(np.array([step_stream(t) for t in tau], dtype=np.int64)
+                           if policy.schedule.fresh else np.full(tau.size, -1, np.int64))
             budgets.append(bud)
             n_events += tau.size
             slot_of_seed[-1 if si is None else si] = len(slot_ev) - 1
@@ -230,6 +240,7 @@ def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray
     i64 = np.int64
     return InclusionTables(
         pi=np.ascontiguousarray(np.concatenate(pis)), tau=np.concatenate(taus).astype(i64),
+        ev_stream=np.concatenate(streams).astype(i64),
         ev_qptr=np.array(qptr, dtype=i64),
         ev_q=np.concatenate(qlist).astype(i64) if qlist else np.zeros(0, i64),
         slot_ev=np.array(slot_ev, dtype=i64), budget_tokens=np.concatenate(budgets),
@@ -238,6 +249,31 @@ def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray
         it_slot=np.array(it_slot, dtype=i64), it_kslot=np.array(it_kslot, dtype=i64),
         context=np.array(context, dtype=i64), nominal=np.array(nominal, dtype=i64),
     )
+
+
+def event_uniforms(tables: InclusionTables, event: int, seed: int, layer: int, kv_head: int,
+                   uniforms: np.ndarray) -> np.ndarray:
+    """The uniforms that decide the kept set of ``event`` for one seed and KV head, shape (P,).
+
+    ``uniforms`` is that seed's and head's row of :func:`seed_uniforms` (stream 0); a fresh
+    per-step event draws its own from stream ``tables.ev_stream[event]`` for the positions
+    before the event (later positions are kept whatever the uniform: 0 there), as the compiled
+    kernel does.
+    """
+    if int(tables.ev_stream[event]) < 0:
+        return uniforms
+    return fresh_uniforms(seed, layer, kv_head, uniforms.size, int(tables.tau[event]))
+
+
+def fresh_uniforms(seed: int, layer: int, kv_head: int, n_positions: int,
+                   step: int) -> np.ndarray:
+    """Fresh per-step uniforms of the decode query at position ``step``, shape (P,): stream
+    :func:`tracesim.prn.step_stream` for positions ``< step``, 0 from ``step`` on (kept)."""
+    out = np.zeros(int(n_positions))
+    t = min(int(step), out.size)
+    out[:t] = permanent_uniforms(int(seed), int(layer), int(kv_head), np.arange(t),
+                                 stream=step_stream(step))
+    return out
 
 
 def fixed_kept(design: Design, pi: np.ndarray, u: np.ndarray) -> np.ndarray:

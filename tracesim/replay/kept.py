@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from tracesim.policies import LayerTrace, Policy
-from tracesim.replay.inclusion import fixed_kept, seed_uniforms, slot_events
+from tracesim.replay.inclusion import fixed_kept, fresh_uniforms, seed_uniforms, slot_events
 
 __all__ = ["event_inclusion", "first_event_inclusion"]
 
@@ -58,7 +58,10 @@ def event_inclusion(
                                      np.array([last], dtype=np.int64))
     e = 0 if tau is None else max(int(np.searchsorted(taus, last, side="right") - 1), 0)
     pi = np.ascontiguousarray(pi_events[e])
-    if uniforms is None:
+    if policy.schedule.fresh:  # the step's own uniforms, not stream 0
+        uniforms = np.stack([fresh_uniforms(seed, trace.layer, g, trace.n_positions,
+                                            int(taus[e])) for g in range(trace.n_kv_heads)])
+    elif uniforms is None:
         uniforms = seed_uniforms(np.array([seed]), trace.layer, trace.n_kv_heads,
                                  trace.n_positions)[0]
     kept = fixed_kept(policy.design, pi, uniforms).astype(bool) if fixed else uniforms < pi

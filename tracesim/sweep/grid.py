@@ -30,7 +30,7 @@ from tracesim.designs import DESIGN_REGISTRY, DESIGNS, make_design
 from tracesim.policies import CORRECTIONS, SCORE_REGISTRY, SCORES, Policy, make_score
 from tracesim.policies.equivalence import budget_warnings, merge_score_free
 from tracesim.policies.kvpress import budget_from_compression_ratio
-from tracesim.schedules import Schedule
+from tracesim.schedules import COORDINATIONS, Schedule
 
 __all__ = ["GRID_KEYS", "BudgetWarning", "GridExpansion", "SpecError", "expand_grid",
            "parse_grid"]
@@ -147,14 +147,21 @@ def _from_ratio(value: Any, where: str) -> list[float]:
     return out
 
 
+_SCHEDULE_FORMS = "'oneshot', 'decode', 'decode:K', 'step' or 'step:permanent'"
+
+
 def _schedule(value: Any, where: str) -> Schedule:
     if not isinstance(value, str):
-        raise _fail(where, f"{value!r} is not a schedule; expected 'oneshot', 'decode' or "
-                           "'decode:K'")
+        raise _fail(where, f"{value!r} is not a schedule; expected {_SCHEDULE_FORMS}")
     kind, sep, every = value.partition(":")
+    if kind == "step":
+        coordination = every if sep else "fresh"
+        if coordination not in COORDINATIONS:
+            raise _fail(where, f"{value!r}: the coordination of 'step:C' must be one of "
+                               f"{COORDINATIONS}")
+        return Schedule("step", coordination=coordination)
     if kind not in ("oneshot", "decode") or (sep and kind != "decode"):
-        raise _fail(where, f"unknown schedule {value!r}; expected 'oneshot', 'decode' or "
-                           "'decode:K'")
+        raise _fail(where, f"unknown schedule {value!r}; expected {_SCHEDULE_FORMS}")
     if not sep:
         return Schedule(kind)
     if not every.isdigit() or not 1 <= int(every) <= MAX_INT_PARAM:
@@ -326,6 +333,11 @@ def _expand_one(grid: Any, where: str) -> GridExpansion:
                             if design.variance == "fixed" and sched.kind != "oneshot":
                                 skipped.append(f"{s} x {dname} x {sched.label()}: fixed-size "
                                                "designs support only the oneshot schedule")
+                                continue
+                            if sched.per_step != score.per_step:
+                                skipped.append(f"{s} x {sched.label()}: per-step scores run "
+                                               "only under 'step' schedules, and 'step' only "
+                                               "with per-step scores")
                                 continue
                             try:
                                 p = Policy(score=score, design=design, correction=corr,

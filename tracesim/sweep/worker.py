@@ -89,8 +89,9 @@ def _synthetic_trace(seed: int = 0):
 def warm_up() -> float:
     """Compile (or load from numba's cache) every kernel the replay uses; once per process.
 
-    Replays every score × design on a tiny synthetic layer, plus the decode schedule and the
-    Ada-KV / PyramidKV allocators. Returns the seconds spent (0 when already warm).
+    Replays every score × design on a tiny synthetic layer, plus the decode and per-step
+    schedules and the Ada-KV / PyramidKV allocators. Returns the seconds spent (0 when
+    already warm).
     """
     if _WARM:
         return 0.0
@@ -99,11 +100,14 @@ def warm_up() -> float:
     from tracesim.replay import layer_batch, replay_layer
 
     t0 = time.perf_counter()
-    small = {s: {"window": 4} for s in SCORES if s != "full"}
-    policies = policy_grid(sorted(SCORES), ["topk", "poisson", "bernoulli", "fixed"], [0.5],
+    event_scores = sorted(s for s, cls in SCORES.items() if not cls.per_step)
+    small = {s: {"window": 4} for s in event_scores if s != "full"}
+    policies = policy_grid(event_scores, ["topk", "poisson", "bernoulli", "fixed"], [0.5],
                            score_params=small)
     policies += [make_policy("h2o", d, 0.5, schedule="decode:4", score_params={"window": 4})
                  for d in ("topk", "poisson")]
+    policies += [make_policy("perstep", "poisson", 0.5, schedule=s, score_params={"window": 4})
+                 for s in ("step", "step:permanent")]
     policies += [make_policy("snapkv", "poisson", Budget(0.5, allocator=a),
                              score_params={"window": 4}) for a in ("adakv", "pyramidkv")]
     result = replay_layer(_synthetic_trace(), policies, np.arange(2), 2)

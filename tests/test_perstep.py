@@ -1,0 +1,284 @@
+"""Per-step designs: proxies, a fresh (or permanent) Poisson sample at every decode step.
+
+Ground truth: loop references of each proxy's rule, exact enumeration of every sample of a small
+tail at one step, Monte Carlo over seeds for the per-step uniforms, and the engine against the
+plain-numpy reference (``tests/test_replay_engine.py`` replays per-step policies too).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numba
+import numpy as np
+import pytest
+
+from tests.replay_fixtures import synthetic_trace
+from tracesim.policies import make_policy, make_score
+from tracesim.proxies import (
+    ExactProxy,
+    LowRankProxy,
+    PageProxy,
+    QuantProxy,
+    SimHashProxy,
+    hyperplanes,
+    make_proxy,
+    quantise_keys,
+)
+from tracesim.replay import ReplayOptions, replay_layer
+from tracesim.replay.inclusion import event_uniforms, seed_uniforms
+from tracesim.sweep.grid import expand_grid
+
+PROXY_SPECS = ("exact", "quant:4", "quant:1", "lowrank:4", "pages:4", "simhash:4,32")
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return synthetic_trace(7, n_heads=4, n_kv=2, d=8, P=96, prompt_length=80)
+
+
+# ----------------------------------------------------------------------------- proxies
+
+
+def test_exact_and_full_rank_proxies_give_the_logits(trace):
+    q = trace.queries[:2, -1]
+    truth = q @ trace.keys[0, :90].T * trace.scale
+    np.testing.assert_allclose(ExactProxy().logits(trace, 0, q, 90), truth, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(LowRankProxy(rank=8).logits(trace, 0, q, 90), truth, atol=1e-10)
+    assert np.abs(LowRankProxy(rank=2).logits(trace, 0, q, 90) - truth).max() > 1e-3
+
+
+def test_quantised_keys_are_within_half_a_step_of_every_entry():
+    rng = np.random.default_rng(0)
+    K = rng.standard_normal((70, 8)) * 3
+    K[:, 5] = 1.25  # a constant channel is exact
+    for bits in (1, 2, 4, 8):
+        Kq = quantise_keys(K, bits, 32)
+        for a in range(0, 70, 32):  # a loop over groups and channels
+            block, qb = K[a:a + 32], Kq[a:a + 32]
+            for c in range(8):
+                lo, hi = block[:, c].min(), block[:, c].max()
+                step = (hi - lo) / (2**bits - 1)
+                assert np.abs(qb[:, c] - block[:, c]).max() <= step / 2 + 1e-12
+                levels = np.rint((qb[:, c] - lo) / step) if step > 0 else np.zeros(len(qb))
+                assert ((levels >= 0) & (levels <= 2**bits - 1)).all()
+        assert (Kq[:, 5] == 1.25).all()
+    assert QuantProxy(bits=4).bits_per_token(64) == 64 * (4 + 1)
+
+
+def test_page_bounds_bound_every_logit_of_their_page(trace):
+    q = trace.queries[:, -1]
+    for page in (1, 3, 4, 16):
+        for g in range(trace.n_kv_heads):
+            heads = list(trace.group(g))
+            bound = PageProxy(page=page).logits(trace, g, q[heads], 90)
+            exact = q[heads] @ trace.keys[g, :90].T * trace.scale
+            assert (bound >= exact - 1e-12).all()
+            for j in range(0, 90, page):  # a page's tokens share one bound, attained at page 1
+                assert np.ptp(bound[:, j:min(j + page, 90)], axis=1).max() == 0
+            if page == 1:
+                np.testing.assert_allclose(bound, exact, atol=1e-12)
+
+
+def test_simhash_angles_converge_and_hyperplanes_are_permanent(trace):
+    a = hyperplanes(0, 1, 8, 64)
+    np.testing.assert_array_equal(a, hyperplanes(0, 1, 8, 64))
+    assert not np.array_equal(a, hyperplanes(1, 1, 8, 64))
+    q = trace.queries[2:4, -1]
+    mu = trace.keys[1, :trace.prompt_length].mean(axis=0)
+    Kc = trace.keys[1, :90] - mu
+    cos = (q @ Kc.T) / np.linalg.norm(q, axis=1)[:, None] / np.linalg.norm(Kc, axis=1)[None]
+    err = {}
+    for L in (8, 400):
+        est = SimHashProxy(bits=8, tables=L).logits(trace, 1, q, 90) / trace.scale - (q @ mu)[:,
+                                                                                        None]
+        cos_hat = est / np.linalg.norm(q, axis=1)[:, None] / np.linalg.norm(Kc, axis=1)[None]
+        err[L] = np.abs(cos_hat - cos).mean()
+    assert err[400] < 0.05 < err[8]
+
+
+@pytest.mark.parametrize("spec, field", [("quant:3", "bits"), ("quant:4,0", "group"),
+                                         ("simhash:100,100", "K * L"), ("nope", "unknown proxy"),
+                                         ("lowrank:x", "rank"), ("pages:0", "page")])
+def test_bad_proxy_specs_name_the_field(spec, field):
+    with pytest.raises(ValueError, match=field.replace("*", r"\*")):
+        make_proxy(spec)
+
+
+def test_lowrank_above_head_dim_and_missing_decode_queries_are_refused(trace):
+    p = make_policy("perstep", "poisson", 0.3, schedule="step", score_params={
+        "proxy": "lowrank:9", "window": 8})
+    with pytest.raises(ValueError, match="rank = 9 > head_dim = 8"):
+        replay_layer(trace, [p], np.arange(1), n_layers=2)
+    no_decode = synthetic_trace(7, decode=False)
+    p = make_policy("perstep", "poisson", 0.3, schedule="step", score_params={"window": 8})
+    with pytest.raises(ValueError, match="no decode query"):
+        make_score("perstep", window=8).scores(no_decode, 0, int(no_decode.query_positions[-1]))
+    with pytest.raises(ValueError):
+        replay_layer(no_decode, [p], np.arange(1), n_layers=2,
+                     options=ReplayOptions(roles=("question_window",)))
+
+
+def test_schedule_and_score_must_agree():
+    with pytest.raises(ValueError, match="needs a per-step score"):
+        make_policy("snapkv", "poisson", 0.25, schedule="step")
+    with pytest.raises(ValueError, match="expected schedule 'step'"):
+        make_policy("perstep", "poisson", 0.25)
+    with pytest.raises(ValueError, match="coordination"):
+        make_policy("perstep", "poisson", 0.25, schedule="step:sometimes")
+    grid = expand_grid({"score": ["snapkv", "perstep"], "design": ["poisson"],
+                        "budget": [0.25], "schedule": ["oneshot", "step", "step:permanent"]})
+    ids = sorted(p.id for p in grid.policies)
+    assert len(ids) == 3 and sum("step(permanent)" in i for i in ids) == 1
+    assert any("per-step" in s for s in grid.skipped)
+
+
+# ----------------------------------------------------------------- the design at one step
+
+
+def _step_tables(trace, policy, seeds=(0,)):
+    res = replay_layer(trace, [policy], np.asarray(seeds), n_layers=2)
+    return res, res.tables
+
+
+def test_step_scores_follow_each_query_and_the_gqa_rule(trace):
+    t = int(trace.query_positions[-3])
+    qi = int(np.flatnonzero(trace.query_positions == t)[0])
+    for gqa in ("mean", "max"):
+        x = make_score("perstep", proxy="exact", gqa=gqa, window=8).scores(trace, 1, t)
+        rows = []
+        for h in trace.group(1):  # loop reference: softmax over [0, t] of each head
+            s = np.array([trace.queries[h, qi] @ trace.keys[1, i] * trace.scale
+                          for i in range(t + 1)])
+            w = np.exp(s - s.max())
+            rows.append(w / w.sum())
+        ref = np.mean(rows, axis=0) if gqa == "mean" else np.max(rows, axis=0)
+        np.testing.assert_allclose(x, ref[:t], rtol=1e-12, atol=1e-15)
+
+
+def test_every_step_has_its_own_pi_and_budget(trace):
+    pol = make_policy("perstep", "poisson", 0.3, schedule="step",
+                      design_params={"mixture": 0.1}, score_params={"window": 8})
+    res, tab = _step_tables(trace, pol)
+    qpos = res.query_positions
+    assert tab.tau.tolist() == sorted(set(qpos.tolist()))  # one event per decode query
+    assert (tab.ev_stream == 2**31 + tab.tau).all()
+    for e, t in enumerate(tab.tau):
+        for g in range(trace.n_kv_heads):
+            pi = tab.pi[e, g]
+            assert (pi[t:] == 1).all() and (pi[:4] == 1).all() and (pi[t - 8:t] == 1).all()
+            # expected kept tokens before t = the step's budget (a share of its own cache)
+            assert pi[:t].sum() == pytest.approx(tab.budget_tokens[e, g], abs=1e-9)
+            assert tab.budget_tokens[e, g] == pol.budget.tokens(int(t))
+    assert not np.array_equal(tab.pi[0], tab.pi[-1])  # not nested, not fixed at prefill
+
+
+def test_horvitz_thompson_totals_by_exact_enumeration_at_one_step():
+    # A ~21-token cache, the design at one decode step: enumerate all 2^n tail samples.
+    tr = synthetic_trace(3, n_heads=2, n_kv=1, d=4, P=24, prompt_length=20)
+    pol = make_policy("perstep", "poisson", 10, schedule="step",
+                      design_params={"mixture": 0.2},
+                      score_params={"proxy": "quant:2", "window": 4, "sinks": 4,
+                                    "top_fraction": 0.0})
+    _, tab = _step_tables(tr, pol)
+    e = 1
+    t = int(tab.tau[e])
+    pi = tab.pi[e, 0, :t]
+    tail = np.flatnonzero(pi < 1)
+    n = tail.size
+    assert 8 <= n <= 20
+    qi = int(np.flatnonzero(tr.query_positions == t)[0])
+    s = tr.keys[0, :t] @ tr.queries[0, qi] * tr.scale
+    y = np.exp(s - s.max())  # the denominator's population values
+    yv = y[:, None] * tr.values[0, :t]  # the numerator's
+    p = pi[tail]
+    mean_d, mean_n, second_d = 0.0, np.zeros(tr.values.shape[2]), 0.0
+    for bits in itertools.product((0, 1), repeat=n):
+        k = np.array(bits, dtype=bool)
+        prob = np.prod(np.where(k, p, 1 - p))
+        ht_d = (y[tail][k] / p[k]).sum()
+        mean_d += prob * ht_d
+        mean_n += prob * (yv[tail][k] / p[k, None]).sum(axis=0)
+        second_d += prob * ht_d**2
+    np.testing.assert_allclose(mean_d, y[tail].sum(), rtol=1e-12)
+    np.testing.assert_allclose(mean_n, yv[tail].sum(axis=0), rtol=1e-10, atol=1e-14)
+    # The Poisson variance of the HT total: sum (1 - pi) / pi y^2.
+    np.testing.assert_allclose(second_d - mean_d**2, ((1 - p) / p * y[tail] ** 2).sum(),
+                               rtol=1e-9)
+
+
+def test_fresh_uniforms_are_independent_across_steps_and_permanent_ones_are_shared(trace):
+    fresh = make_policy("perstep", "poisson", 0.3, schedule="step", score_params={"window": 8})
+    perm = make_policy("perstep", "poisson", 0.3, schedule="step:permanent",
+                       score_params={"window": 8})
+    _, tf = _step_tables(trace, fresh)
+    _, tp = _step_tables(trace, perm)
+    S = 4000
+    u0 = seed_uniforms(np.arange(S), 0, trace.n_kv_heads, trace.n_positions)[:, 0]
+    a, b = 0, tf.tau.size - 1
+    ta = int(tf.tau[a])
+    ka = np.stack([event_uniforms(tf, a, s, 0, 0, u0[s]) < tf.pi[a, 0] for s in range(S)])
+    kb = np.stack([event_uniforms(tf, b, s, 0, 0, u0[s]) < tf.pi[b, 0] for s in range(S)])
+    # Monte Carlo: inclusion frequencies are pi (4 standard errors), at both steps.
+    for k, pi in ((ka, tf.pi[a, 0]), (kb, tf.pi[b, 0])):
+        se = np.sqrt(pi * (1 - pi) / S) + 1e-12
+        assert (np.abs(k.mean(axis=0) - pi) <= 4 * se + 1e-9).all()
+    # Independent steps: joint inclusion = product of the pi (checked on pooled tail tokens).
+    both = (ka[:, :ta] & kb[:, :ta]).mean(axis=0)
+    prod = tf.pi[a, 0, :ta] * tf.pi[b, 0, :ta]
+    mid = (prod > 0.05) & (prod < 0.95)
+    assert mid.sum() >= 5
+    assert np.abs(both[mid] - prod[mid]).max() < 0.05
+    # Permanent: the same uniforms at every step, so joint inclusion = min(pi_a, pi_b).
+    assert (tp.ev_stream == -1).all()
+    pa, pb = tp.pi[a, 0, :ta], tp.pi[b, 0, :ta]
+    joint = ((u0[:, :ta] < pa) & (u0[:, :ta] < pb)).mean(axis=0)
+    assert np.abs(joint - np.minimum(pa, pb)).max() < 0.05
+
+
+@pytest.mark.parametrize("spec", PROXY_SPECS)
+def test_full_budget_gives_zero_error_for_every_proxy(trace, spec):
+    pols = [make_policy("perstep", d, 1.0, schedule=sch, score_params={"proxy": spec,
+                                                                       "window": 8})
+            for d in ("poisson", "topk") for sch in ("step", "step:permanent")]
+    res = replay_layer(trace, pols, np.arange(2), n_layers=2)
+    from tracesim.kernels.replay import F_ERR2
+
+    assert np.abs(res.out[..., F_ERR2]).max() < 1e-20
+
+
+def test_per_step_results_are_bit_identical_across_threads(trace):
+    pols = [make_policy("perstep", "poisson", 0.3, schedule=s, score_params={"proxy": p,
+                                                                             "window": 8})
+            for p in ("quant:2", "simhash:4,32") for s in ("step", "step:permanent")]
+    seeds = np.array([3, 1, 4])
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = replay_layer(trace, pols, seeds, n_layers=2)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = replay_layer(trace, pols, seeds, n_layers=2)
+    finally:
+        numba.set_num_threads(before)
+    assert one.out.tobytes() == two.out.tobytes()
+    assert one.lout.tobytes() == two.lout.tobytes()
+
+
+def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
+    from analysis.adaptive import adaptive_table
+    from tests.replay_fixtures import build_store
+    from tracesim.replay import replay
+    from tracesim.store import open_store
+
+    store = open_store(build_store(tmp_path / "store", n_seqs=2, n_layers=1))
+    pols = [make_policy("perstep", d, 0.4, schedule="step", score_params={"proxy": p,
+                                                                          "window": 8})
+            for p in ("exact", "quant:2") for d in ("topk", "poisson")]
+    df = replay(store, pols, seeds=4, progress=False).to_pandas()
+    table = adaptive_table(df, head_dim=8)
+    assert len(table) == 4 and set(table.proxy) == {"exact", "quant:2"}
+    assert (table[table.design == "topk"].mse_vs_topk == 1).all()
+    rnd = table[table.design == "poisson"]
+    assert rnd.wald.between(0, 1).all() and rnd.mse_vs_topk.notna().all()
+    assert table[table.design == "topk"].wald.isna().all()  # uncertified: no coverage
+    assert (table.proxy_bits == [128, 128, 8 * 3, 8 * 3]).all()

@@ -1,0 +1,107 @@
+"""Per-step score: a proxy of the *current* decode query's attention, redrawn at every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from tracesim.policies.base import Score
+from tracesim.policies.context import LayerTrace
+from tracesim.proxies import make_proxy
+
+__all__ = ["GQA_AGGREGATIONS", "PerStepScore"]
+
+#: How the query heads of a GQA group share one sample: the mean of their proxy attention, or
+#: the maximum (so each head's heavy tokens get a high pi).
+GQA_AGGREGATIONS = ("mean", "max")
+
+
+@dataclass(frozen=True)
+class PerStepScore(Score):
+    """Proxy attention of the decode query at the event's position (schedule ``step``).
+
+    At the step whose query sits at position ``t`` the cache holds ``[0, t)`` (the token at
+    ``t`` is always kept). For each query head ``h`` of the KV head's group, the proxy's logits
+    ``s~_{h,i}`` over ``[0, t]`` (the current token's exact logit included) give the softmax
+    ``a~_{h,i}``; the score of token ``i < t`` is their ``mean`` (or ``max``) over the group.
+    With ``linearised`` it is multiplied by ``|v_i - o~_h|`` (mean over the group), the norm of
+    the linearised variable of the Hájek estimator, with ``o~_h = sum_i a~_{h,i} v_i`` the
+    proxy's own estimate (this reads every value: a reference for what the variable adds).
+
+    The take-all stratum is the ``sinks`` first and ``window`` last positions before ``t`` plus
+    the ``top_fraction`` share of the tail budget with the highest scores (the proxy's top-h);
+    the design samples the rest. Whatever the proxy, the Hájek estimate with these ``pi`` is
+    design-based at that step: a poor proxy costs variance, not validity.
+
+    Parameters
+    ----------
+    proxy : str
+        Proxy spec (:func:`tracesim.proxies.make_proxy`): ``exact``, ``quant:b``,
+        ``lowrank:r``, ``pages:P``, ``simhash:K,L``.
+    gqa : {"mean", "max"}
+    linearised : bool, default False
+    sinks, window, top_fraction
+        Defaults 4, 32 and 0.5 (half the tail budget to the proxy's top tokens).
+
+    Raises
+    ------
+    ValueError
+        When the store holds no decode query at the event's position (a per-step design needs
+        the query of every step it evaluates).
+    """
+
+    name: ClassVar[str] = "perstep"
+    per_step: ClassVar[bool] = True
+    transform: ClassVar[str] = "proxy attention mass (>= 0 as is)"
+
+    proxy: str = "exact"
+    gqa: str = "mean"
+    linearised: bool = False
+    top_fraction: float = 0.5
+
+    def validate(self) -> None:
+        object.__setattr__(self, "proxy", make_proxy(self.proxy).spec())
+        if self.gqa not in GQA_AGGREGATIONS:
+            raise ValueError(f"PerStepScore.gqa = {self.gqa!r}: expected one of "
+                             f"{GQA_AGGREGATIONS}")
+        if not isinstance(self.linearised, bool):
+            raise ValueError(f"PerStepScore.linearised = {self.linearised!r}: expected a bool")
+
+    @property
+    def deployable(self) -> bool:  # type: ignore[override]
+        return make_proxy(self.proxy).deployable and not self.linearised
+
+    def proxy_bits(self, head_dim: int) -> float:
+        """Bits per token per KV head the proxy holds in fast memory."""
+        return make_proxy(self.proxy).bits_per_token(head_dim)
+
+    def step_query(self, trace: LayerTrace, position: int) -> int:
+        """Index of the stored decode query at ``position``."""
+        idx = np.flatnonzero((trace.query_positions == position)
+                             & np.array([r == "decode" for r in trace.query_roles]))
+        if idx.size == 0:
+            raise ValueError(f"perstep: sequence {trace.sequence_id!r} stores no decode query at "
+                             f"position {position}; a per-step design needs a store captured "
+                             "with decode steps (expected queries with role 'decode')")
+        return int(idx[0])
+
+    def scores(self, trace: LayerTrace, kv_head: int, end: int,
+               seed: int | None = None) -> np.ndarray:
+        proxy = make_proxy(self.proxy)
+        proxy.check_trace(trace)
+        qi = self.step_query(trace, end)
+        heads = list(trace.group(kv_head))
+        q = trace.queries[heads, qi]  # (G, d)
+        s = np.empty((len(heads), end + 1))
+        s[:, :end] = proxy.logits(trace, kv_head, q, end)
+        s[:, end] = (q @ trace.keys[kv_head, end]) * trace.scale  # the current token: exact
+        w = np.exp(s - s.max(axis=1, keepdims=True))
+        w /= w.sum(axis=1, keepdims=True)
+        if self.linearised:
+            V = trace.values[kv_head, :end + 1]
+            o = w @ V  # (G, d)
+            w = w * np.linalg.norm(V[None] - o[:, None], axis=2)
+        x = w.mean(axis=0) if self.gqa == "mean" else w.max(axis=0)
+        return x[:end]

@@ -1,0 +1,61 @@
+"""Proxies of each decode step's attention, for per-step designs (one small file each).
+
+==============  ========================================================  =====================
+spec            what fast memory holds                                    bits/token/KV head
+==============  ========================================================  =====================
+``exact``       the full keys (reference, not deployable)                 ``16 d``
+``quant:b[,g]`` keys at ``b`` in {1,2,4,8} bits, per channel, groups g    ``d (b + 32/g)``
+``lowrank:r``   ``r`` coefficients on a prefill-key basis (Loki-style)    ``16 r``
+``pages:P``     Quest's per-page min/max keys                             ``32 d / P``
+``simhash:K,L`` ``K L`` SimHash bits of centred keys + norm (MagicPIG)    ``K L + 16``
+==============  ========================================================  =====================
+
+:func:`make_proxy` parses a spec string; :data:`PROXIES` maps names to classes.
+"""
+
+from __future__ import annotations
+
+from tracesim.proxies.base import Proxy
+from tracesim.proxies.exact import ExactProxy
+from tracesim.proxies.lowrank import LowRankProxy
+from tracesim.proxies.pages import PageProxy, page_upper_bounds
+from tracesim.proxies.quant import QuantProxy, quantise_keys
+from tracesim.proxies.simhash import SimHashProxy, hyperplanes
+
+__all__ = ["PROXIES", "ExactProxy", "LowRankProxy", "PageProxy", "Proxy", "QuantProxy",
+           "SimHashProxy", "hyperplanes", "make_proxy", "page_upper_bounds", "quantise_keys"]
+
+PROXIES: dict[str, type[Proxy]] = {cls.name: cls for cls in (
+    ExactProxy, QuantProxy, LowRankProxy, PageProxy, SimHashProxy)}
+#: Positional parameters of each spec, in order (``quant:4,32`` = bits 4, group 32).
+_POSITIONAL = {"exact": (), "quant": ("bits", "group"), "lowrank": ("rank",),
+               "pages": ("page",), "simhash": ("bits", "tables")}
+
+
+def make_proxy(spec: str | Proxy) -> Proxy:
+    """Build a proxy from its spec, e.g. ``"quant:4"``, ``"simhash:10,150"``.
+
+    Raises
+    ------
+    ValueError
+        Naming the spec and what was expected.
+    """
+    if isinstance(spec, Proxy):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"proxy {spec!r}: expected a string such as 'quant:4'")
+    name, _, rest = spec.strip().partition(":")
+    if name not in PROXIES:
+        raise ValueError(f"unknown proxy {spec!r}; expected one of {sorted(PROXIES)} "
+                         "(e.g. 'exact', 'quant:4', 'lowrank:16', 'pages:16', 'simhash:10,150')")
+    fields = _POSITIONAL[name]
+    values = [v.strip() for v in rest.split(",")] if rest else []
+    if len(values) > len(fields):
+        raise ValueError(f"proxy {spec!r}: {name} takes at most {len(fields)} parameter(s) "
+                         f"{fields}")
+    params = {}
+    for f, v in zip(fields, values, strict=False):
+        if not v.isdigit() or len(v) > 9:
+            raise ValueError(f"proxy {spec!r}: {f} = {v!r}: expected a positive integer")
+        params[f] = int(v)
+    return PROXIES[name](**params)

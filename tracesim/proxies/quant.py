@@ -1,0 +1,77 @@
+"""``quant:b``: keys quantised to ``b`` bits per channel over groups of tokens (KIVI-style)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from tracesim.proxies.base import Proxy
+
+if TYPE_CHECKING:  # the policies import the proxies, not the other way round
+    from tracesim.policies.context import LayerTrace
+
+__all__ = ["QuantProxy", "quantise_keys"]
+
+BITS = (1, 2, 4, 8)
+
+
+def quantise_keys(keys: np.ndarray, bits: int, group: int) -> np.ndarray:
+    """Round-trip ``keys`` (P, d) through asymmetric ``bits``-bit quantisation per channel.
+
+    Tokens are cut into groups of ``group`` consecutive positions from position 0 (the last
+    group may be shorter); within a group each channel has its own zero point (the minimum) and
+    step ``(max - min) / (2**bits - 1)``, and each entry is rounded to the nearest level
+    (KIVI's key quantisation: per channel, grouped along tokens). A constant channel is exact.
+    Returns the dequantised keys, float64, same shape.
+    """
+    K = np.asarray(keys, dtype=np.float64)
+    P = K.shape[0]
+    levels = (1 << bits) - 1
+    out = np.empty_like(K)
+    for a in range(0, P, group):
+        block = K[a:a + group]
+        lo = block.min(axis=0)
+        step = (block.max(axis=0) - lo) / levels
+        safe = np.where(step > 0, step, 1.0)
+        out[a:a + group] = lo + np.rint((block - lo) / safe) * step
+    return out
+
+
+@dataclass(frozen=True)
+class QuantProxy(Proxy):
+    """Logits from keys quantised to ``bits`` bits (per channel, groups of ``group`` tokens).
+
+    Parameters
+    ----------
+    bits : {1, 2, 4, 8}
+    group : int, default 32
+        Tokens per quantisation group (each group stores a zero point and a step per channel
+        in fp16: ``32 / group`` bits per channel per token on top of ``bits``).
+    """
+
+    name: ClassVar[str] = "quant"
+
+    bits: int = 4
+    group: int = 32
+
+    def validate(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in BITS:
+            raise ValueError(f"quant proxy: bits = {self.bits!r}: expected one of {BITS}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) \
+                or not 1 <= self.group <= 1 << 16:
+            raise ValueError(f"quant proxy: group = {self.group!r}: expected an int in "
+                             "[1, 65536] (tokens per quantisation group)")
+
+    def spec(self) -> str:
+        return f"quant:{self.bits}" + (f",{self.group}" if self.group != 32 else "")
+
+    def bits_per_token(self, head_dim: int) -> float:
+        return head_dim * (self.bits + 32.0 / self.group)
+
+    def logits(self, trace: LayerTrace, kv_head: int, queries: np.ndarray,
+               end: int) -> np.ndarray:
+        Kq = self._cached(trace, kv_head, lambda: quantise_keys(trace.keys[kv_head], self.bits,
+                                                                 self.group))
+        return (queries @ Kq[:end].T) * trace.scale
