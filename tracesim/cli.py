@@ -32,6 +32,7 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "tracesim.synth.cli",
     "tracesim.export",
     "tracesim.tiers.cli",
+    "tracesim.peers.cli",
 )
 
 # module -> (subcommand, help line of ``tracesim --help``): these modules load lazily.
@@ -55,6 +56,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "tracesim.export": ("export", "export results as CSV or a hive-partitioned Parquet dataset"),
     "tracesim.tiers.cli": ("tiers", "simulate certificate-scheduled fetches from DRAM/NVMe "
                            "tiers"),
+    "tracesim.peers.cli": ("peers", "replay MagicPIG, vAttention and Quest as their reference "
+                           "code defines them (Parquet results)"),
     "analysis.frontier_cli": ("frontier", "coverage / certified share / error / memory frontier "
                               "per policy and certificate variant (frontier.parquet, .md, .png)"),
 }

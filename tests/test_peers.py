@@ -1,0 +1,176 @@
+"""Peers replayed as their reference code defines them: loop references of each rule, Monte
+Carlo of MagicPIG's inclusion probability over hash draws, limits where the answer is exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from tests.replay_fixtures import build_store, synthetic_trace
+from tracesim.peers import (
+    MagicPIG,
+    Quest,
+    VAttention,
+    collision_probability,
+    make_peer,
+    replay_peers,
+    step_inputs,
+    vattention_budget,
+)
+from tracesim.proxies import hyperplanes
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return synthetic_trace(5, n_heads=4, n_kv=2, d=8, P=160, prompt_length=140)
+
+
+def _last_decode(trace, head=1):
+    return step_inputs(trace, head, int(np.flatnonzero(
+        np.array(trace.query_roles) == "decode")[-1]))
+
+
+def test_collision_probability_matches_monte_carlo_over_hash_draws():
+    # Two unit vectors at angle theta; Gaussian hyperplanes: only their 2-D span matters.
+    rng = np.random.default_rng(2024)
+    K, L, draws = 3, 8, 4_000_000
+    for theta in (0.3, 0.8, 1.4):
+        q, k = np.array([1.0, 0.0]), np.array([np.cos(theta), np.sin(theta)])
+        hits = 0
+        for _ in range(8):
+            W = rng.standard_normal((draws // 8, L * K, 2))
+            agree = ((W @ q) > 0) == ((W @ k) > 0)
+            tables = agree.reshape(-1, L, K).all(axis=2).sum(axis=1)
+            hits += int((tables >= 2).sum())
+        u = collision_probability(np.array([np.cos(theta)]), K, L, 2)[0]
+        assert abs(hits / draws - u) <= 1e-3, (theta, hits / draws, u)
+    # The closed form of the reference: 1 - (1 - p^K)^L - L p^K (1 - p^K)^(L-1).
+    c = np.linspace(-1, 1, 11)
+    p = (1 - np.arccos(c) / np.pi) ** 10
+    np.testing.assert_allclose(collision_probability(c, 10, 150, 2),
+                               1 - (1 - p) ** 150 - 150 * p * (1 - p) ** 149, atol=1e-12)
+
+
+def test_magicpig_uses_the_keys_that_collide_twice_and_divides_by_u(trace):
+    peer = MagicPIG(bits=3, tables=12, sinks=4, local=16)
+    x = _last_decode(trace)
+    state = peer.prepare(trace.layer, x.kv_head, trace.keys[x.kv_head], trace.prompt_length, 7)
+    row = peer.step(x, state, 7, 1.96)
+    lo, hi = 4, trace.prompt_length - 16
+    mu = trace.keys[x.kv_head, lo:hi].mean(axis=0)
+    W = hyperplanes(trace.layer, x.kv_head, 8, 36, seed=7)
+    used, weights = [], []
+    for j in range(lo, hi):  # loop reference of the collision rule and the weight
+        kc = trace.keys[x.kv_head, j] - mu
+        hits = sum(all((x.query @ W[:, t * 3 + b] > 0) == (kc @ W[:, t * 3 + b] > 0)
+                       for b in range(3)) for t in range(12))
+        if hits >= 2:
+            used.append(j)
+            cos = kc @ x.query / np.linalg.norm(kc) / np.linalg.norm(x.query)
+            pk = (1 - np.arccos(np.clip(cos, -1, 1)) / np.pi) ** 3
+            weights.append(min(1.0, 1 - (1 - pk) ** 12 - 12 * pk * (1 - pk) ** 11 + 1e-4))
+    assert row["sampled"] == len(used) > 0
+    dense = list(range(lo)) + list(range(hi, x.step + 1))
+    idx = np.array(dense + used)
+    s = x.logits[idx] - np.log(np.r_[np.ones(len(dense)), weights])
+    w = np.exp(s - s.max())
+    ref = (w @ x.values[idx]) / w.sum()
+    assert row["err2"] == pytest.approx(float((ref - x.truth) @ (ref - x.truth)), rel=1e-9)
+    assert row["kept_tokens"] == len(dense) + len(used)
+
+
+def _budget_reference(e_base, d_hat, R, eps, delta, n_base):
+    m = sum(e_base) / len(e_base)
+    var = sum((v - m) ** 2 for v in e_base) / (len(e_base) - 1)
+    sigma = max(var ** 0.5, 1e-8)
+    z = stats.norm.ppf(1 - delta)
+    b = (z * sigma * R / max(eps * d_hat, 1e-8)) ** 2
+    b = int(min(max(b, 1), R))  # truncation toward zero, as torch's .long()
+    return min(max(b, n_base), R)
+
+
+def test_vattention_budget_rule_matches_a_loop_reference():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        R = int(rng.integers(2, 3000))
+        n_base = max(2, int(rng.uniform(0.01, 0.3) * R))
+        e = rng.pareto(rng.uniform(0.5, 3.0), size=n_base) * rng.uniform(1e-3, 1)
+        d_hat = float(e.sum() * R / n_base * rng.uniform(0.5, 2))
+        eps, delta = rng.uniform(0.01, 0.5), rng.uniform(0.01, 0.5)
+        assert vattention_budget(e, d_hat, R, eps, delta, n_base) == _budget_reference(
+            e, d_hat, R, eps, delta, n_base)
+
+
+def test_vattention_deterministic_part_and_draws(trace):
+    peer = VAttention(sinks=4, local=8, heavy=5, base_rate=0.2, epsilon=0.3, delta=0.2)
+    x = _last_decode(trace)
+    det = peer.deterministic(x)
+    n = x.step + 1
+    ref = np.zeros(n, bool)
+    ref[:4] = True
+    ref[n - 8:] = True
+    rest = [j for j in range(n) if not ref[j]]
+    for j in sorted(rest, key=lambda j: -x.logits[j])[:5]:  # top-5 among the rest
+        ref[j] = True
+    np.testing.assert_array_equal(det, ref)
+    row = peer.step(x, None, 3, 1.96)
+    assert row == peer.step(x, None, 3, 1.96)  # permanent uniforms: same seed, same draws
+    assert row != peer.step(x, None, 4, 1.96)
+    R = n - 12
+    assert 2 <= row["budget_b"] <= R and row["sampled"] <= row["budget_b"]
+    assert row["kept_tokens"] == det.sum() + row["sampled"]
+
+
+def test_quest_selects_top_pages_by_the_bound_like_a_loop(trace):
+    x = _last_decode(trace)
+    for page, budget in ((16, 0.25), (5, 40), (7, 0.5)):
+        peer = Quest(page=page, budget=budget)
+        n = x.step + 1
+        bounds = []
+        for a in range(0, n, page):
+            kb = x.keys[a:a + page]
+            bounds.append(sum(max(x.query[c] * kb[:, c].min(), x.query[c] * kb[:, c].max())
+                              for c in range(kb.shape[1])))
+        tokens = min(n, round(budget * n) if budget <= 1 else int(budget))
+        k = min(max(3, tokens // page), len(bounds))
+        order = sorted(range(len(bounds)), key=lambda p: (-bounds[p], p))[:k]
+        assert peer.selected_pages(x).tolist() == sorted(order)
+
+
+def test_peers_are_exact_when_they_keep_everything(trace):
+    x = _last_decode(trace)
+    n = x.step + 1
+    assert Quest(page=16, budget=n + 16).step(x, None, 0, 1.96)["err2"] < 1e-24
+    mp = MagicPIG(bits=2, tables=4, sinks=n, local=0)
+    st = mp.prepare(trace.layer, x.kv_head, trace.keys[x.kv_head], trace.prompt_length, 0)
+    assert mp.step(x, st, 0, 1.96)["err2"] < 1e-24
+    va = VAttention(sinks=n, local=0, heavy=0, base_rate=0.1)  # range < 2: full attention
+    assert va.step(x, None, 0, 1.96)["err2"] < 1e-24
+
+
+@pytest.mark.parametrize("name, params, field", [
+    ("magicpig", {"bits": 0}, "bits"), ("magicpig", {"bits": 100, "tables": 100}, "K \\* L"),
+    ("vattention", {"delta": 1.5}, "delta"), ("vattention", {"epsilon": float("nan")},
+                                               "epsilon"),
+    ("quest", {"page": 0}, "page"), ("nope", {}, "unknown peer"),
+    ("quest", {"bogus": 1}, "bogus")])
+def test_bad_peer_parameters_name_the_field(name, params, field):
+    with pytest.raises(ValueError, match=field):
+        make_peer(name, **params)
+
+
+def test_replay_peers_rows_and_reproducibility(tmp_path):
+    from tracesim.store import open_store
+
+    store = open_store(build_store(tmp_path / "s", n_seqs=1, n_layers=1))
+    peers = [MagicPIG(bits=2, tables=6, local=8), VAttention(sinks=4, local=8, heavy=4),
+             Quest(page=8, budget=0.5)]
+    df = replay_peers(store, peers, [0, 1]).to_pandas()
+    pd.testing.assert_frame_equal(df, replay_peers(store, peers, [0, 1]).to_pandas(),
+                                  check_exact=True)
+    n_steps = 96 - 80  # decode queries of the fixture's first sequence (P - prompt)
+    assert len(df) == 4 * n_steps * (2 + 2 + 1)  # heads x steps x (seeds, Quest once)
+    assert df.wald_cov[df.peer == "quest"].isna().all()
+    assert df.wald_cov[df.peer != "quest"].between(0, 1).all()

@@ -1,0 +1,117 @@
+"""What every peer replay shares: one decode step of one query head, the truth, the row.
+
+A *peer* is a published sparse-attention method replayed as its reference code defines it
+(``docs/peers.md``), not through tracesim's score x design x correction algebra: MagicPIG's
+kept set comes from hash collisions, vAttention's from uniform draws with replacement whose
+number its (epsilon, delta) rule sets per head, Quest's from page bounds. Each peer works on
+one (layer, query head, decode step) at a time, in float64 numpy, and reports its own estimate
+and, where its samples have known inclusion probabilities, tracesim's Poisson certificate of
+the Hájek estimate on the same kept tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+from scipy import special
+
+from tracesim.estimators import hajek_attention
+from tracesim.prn import permanent_uniforms, step_stream
+
+__all__ = ["Peer", "StepInput", "hajek_row", "peer_uniforms"]
+
+#: Purposes of the per-step uniforms of peers (the high half of the ``kv_head`` key field).
+PURPOSE_VATT_BASE, PURPOSE_VATT_FINAL = 1, 2
+
+
+def peer_uniforms(seed: int, layer: int, head: int, step: int, purpose: int,
+                  n: int) -> np.ndarray:
+    """``n`` permanent uniforms of a peer's own draws at one decode step of one query head.
+
+    Key: stream ``2**31 + step`` (as fresh per-step designs), ``kv_head`` field
+    ``purpose * 2**16 + head`` (query heads < 2**16), ``position`` = draw index.
+    """
+    if not 0 <= head < 1 << 16:
+        raise ValueError(f"query head {head} outside [0, 65536)")
+    return permanent_uniforms(int(seed), int(layer), (int(purpose) << 16) + int(head),
+                              np.arange(int(n)), stream=step_stream(step))
+
+
+@dataclass
+class StepInput:
+    """One decode step of one query head: everything a peer may read.
+
+    Attributes
+    ----------
+    layer, head, kv_head, step : int
+        ``step`` is the query's position ``t``; the cache holds ``[0, t]`` (the current token
+        included, as every reference appends it before attending).
+    prompt_length : int
+    query : ndarray, shape (d,)
+    keys, values : ndarray, shape (t + 1, d)
+    scale : float
+    logits : ndarray, shape (t + 1,)
+        Exact ``q . k * scale`` (float64).
+    truth : ndarray, shape (d,)
+        The full-cache output.
+    """
+
+    layer: int
+    head: int
+    kv_head: int
+    step: int
+    prompt_length: int
+    query: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray
+    scale: float
+    logits: np.ndarray
+    truth: np.ndarray
+
+
+def hajek_row(x: StepInput, pi: np.ndarray, kept: np.ndarray, z: float,
+              logit_offset: np.ndarray | None = None, correction: bool = True) -> dict:
+    """Error, Poisson certificate and Wald coverage of the (offset) Hájek estimate on ``kept``.
+
+    ``pi`` are the inclusion probabilities the estimate divides by (1 for the dense part).
+    With ``correction=False`` and a ``logit_offset`` this is any softmax-with-offset estimator
+    (vAttention's); its variance is then not a certificate and is not reported.
+    """
+    est = hajek_attention(x.query, x.keys, x.values, pi, kept, scale=x.scale,
+                          correction=correction, variance="diag", logit_offset=logit_offset)
+    err = est.estimate - x.truth
+    out = {"err2": float(err @ err), "estimate": est.estimate,
+           "tail_size": int(est.tail_size), "n_eff": float(est.n_eff)}
+    if correction:
+        sd = np.sqrt(np.maximum(est.variance_diag, 0.0))
+        out["cert2"] = float(est.variance_trace)
+        out["wald_cov"] = (float(np.mean(np.abs(err) <= z * sd)) if est.tail_population
+                           else float("nan"))
+    else:
+        out["cert2"] = out["wald_cov"] = float("nan")
+    return out
+
+
+class Peer:
+    """Base class of peers: ``name``, ``randomized``, :meth:`label` and :meth:`step`."""
+
+    name: ClassVar[str] = "peer"
+    randomized: ClassVar[bool] = True
+
+    def label(self) -> str:
+        raise NotImplementedError
+
+    def prepare(self, layer: int, kv_head: int, keys: np.ndarray, prompt_length: int,
+                seed: int) -> object:
+        """Per (layer, KV head, seed) state built once for every step (default: none)."""
+        return None
+
+    def step(self, x: StepInput, state: object, seed: int, z: float) -> dict:
+        """The peer's estimate at one step: a dict of result columns (see ``PEER_COLUMNS``)."""
+        raise NotImplementedError
+
+
+def normal_quantile(p: float) -> float:
+    return float(special.ndtri(p))

@@ -1,0 +1,104 @@
+"""``tracesim peers STORE --out DIR``: replay MagicPIG, vAttention and Quest over a store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["register", "run_peers"]
+
+_EPILOG = ("example:\n  tracesim peers traces/ --peer magicpig,vattention,quest --seeds 8 "
+           "--layers 0:30:3 --out results/peers\n"
+           "  tracesim peers traces/ --peer vattention --params "
+           "'{\"vattention\": {\"sinks\": 4, \"local\": 32}}' --out results/peers-small")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``peers`` subcommand."""
+    p = subparsers.add_parser(
+        "peers", help="replay MagicPIG, vAttention and Quest as their reference code defines "
+        "them (Parquet results)",
+        description="Replay published sparse-attention methods at every decode step of a "
+        "trace store, each as its reference code defines it (docs/peers.md), with its own "
+        "guarantee checked where it states one and tracesim's certificate on its samples; "
+        "writes OUT/peers.parquet and OUT/peers.json.", epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("traces", metavar="TRACES", help="trace store directory")
+    p.add_argument("--peer", default="magicpig,vattention,quest",
+                   help="comma-separated peers (magicpig, vattention, quest)")
+    p.add_argument("--params", default="{}",
+                   help="JSON mapping peer -> {parameter: value} (docs/peers.md lists them)")
+    p.add_argument("--seeds", type=int, default=8, help="seeds 0..N-1 (hash draws, sample "
+                   "draws; Quest is deterministic and runs once; default 8, at most 4096)")
+    p.add_argument("--layers", default=None, help="START:STOP:STEP or a comma-separated list "
+                   "(default: every layer)")
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier peers.parquet")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=run_peers)
+
+
+def _layers(text: str | None, n_layers: int) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        if ":" in text:
+            parts = [int(v) if v else None for v in text.split(":")]
+            out = list(range(n_layers))[slice(*parts)]
+        else:
+            out = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--layers {text!r}: expected START:STOP:STEP or integers") from None
+    if not out or len(set(out)) != len(out) or not all(0 <= v < n_layers for v in out):
+        raise ValueError(f"--layers {text!r}: expected distinct layers in [0, {n_layers})")
+    return out
+
+
+def run_peers(args: argparse.Namespace) -> int:
+    """Run ``peers``; 0 on success, 2 on a user error."""
+    import pyarrow.parquet as pq
+
+    from tracesim.atomic import atomic_output
+    from tracesim.peers import make_peer, replay_peers
+    from tracesim.store import StoreError, open_store
+
+    try:
+        if not 1 <= args.seeds <= 4096:
+            raise ValueError(f"--seeds {args.seeds}: expected an integer in [1, 4096]")
+        params = json.loads(args.params)
+        if not isinstance(params, dict) or not all(isinstance(v, dict)
+                                                   for v in params.values()):
+            raise ValueError("--params: expected a JSON mapping {peer: {parameter: value}}")
+        names = [n.strip() for n in args.peer.split(",") if n.strip()]
+        unknown = set(params) - set(names)
+        if unknown:
+            raise ValueError(f"--params: {sorted(unknown)} not in --peer {names}")
+        peers = [make_peer(n, **params.get(n, {})) for n in names]
+        if not peers:
+            raise ValueError("--peer: expected at least one peer")
+        store = open_store(args.traces)
+        layers = _layers(args.layers, store.model.n_layers)
+        out = Path(args.out)
+        if not str(args.out).strip():
+            raise ValueError("--out: expected a directory path, got an empty string")
+        if (out / "peers.parquet").exists() and not args.overwrite:
+            raise ValueError(f"{out / 'peers.parquet'} exists; expected a new --out or "
+                             "--overwrite")
+        table = replay_peers(store, peers, range(args.seeds), layers=layers,
+                             progress=not args.quiet)
+    except json.JSONDecodeError as exc:
+        print(f"tracesim peers: --params: {exc}; expected JSON", file=sys.stderr)
+        return 2
+    except (ValueError, StoreError) as exc:
+        print(f"tracesim peers: {exc}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_output(out / "peers.parquet") as fh:
+        pq.write_table(table, fh)
+    with atomic_output(out / "peers.json") as fh:
+        fh.write(json.dumps({"peers": [p.label() for p in peers], "seeds": args.seeds,
+                             "layers": layers, "rows": table.num_rows}, indent=1).encode())
+    print(f"{table.num_rows} rows -> {out / 'peers.parquet'}")
+    return 0

@@ -1,0 +1,79 @@
+"""Replay peers over a trace store: one row per (sequence, layer, query head, decode step, seed)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+from scipy import special
+
+from tracesim.peers.base import Peer, StepInput
+
+__all__ = ["PEER_COLUMNS", "replay_peers", "step_inputs"]
+
+#: Result columns (besides the keys ``sequence_id, task, layer, head, kv_head, query_position,
+#: context_tokens, peer, config_id, seed``). NaN where a peer does not define one.
+PEER_COLUMNS = ("err2", "rel_err", "truth_norm", "cert2", "wald_cov", "hajek_err2",
+                "tail_size", "n_eff", "kept_tokens", "sampled", "expected_sampled", "budget_b",
+                "peer_bound_ok", "peer_den_ok")
+
+
+def step_inputs(trace, head: int, qi: int) -> StepInput:
+    """The :class:`StepInput` of stored query ``qi`` of ``head`` (float64, exact truth)."""
+    t = int(trace.query_positions[qi])
+    g = head // trace.group_size
+    keys, values = trace.keys[g, :t + 1], trace.values[g, :t + 1]
+    q = trace.queries[head, qi]
+    s = keys @ q * trace.scale
+    w = np.exp(s - s.max())
+    truth = (w @ values) / w.sum()
+    return StepInput(layer=trace.layer, head=head, kv_head=g, step=t,
+                     prompt_length=trace.prompt_length, query=q, keys=keys, values=values,
+                     scale=float(trace.scale), logits=s, truth=truth)
+
+
+def replay_peers(store, peers: Sequence[Peer], seeds: Iterable[int], *,
+                 layers: Sequence[int] | None = None, sequences: Sequence[str] | None = None,
+                 alpha: float = 0.05, progress: bool = False) -> pa.Table:
+    """Every peer x seed on every decode query of the chosen layers and sequences.
+
+    Deterministic peers (Quest) run once (seed 0). Memory: one layer of one sequence.
+    """
+    from tracesim.replay import load_layer
+    from tracesim.replay.engine import evaluated_queries
+
+    z = float(special.ndtri(1 - alpha / 2))
+    seeds = [int(s) for s in seeds]
+    rows: dict[str, list] = {k: [] for k in (
+        "sequence_id", "task", "layer", "head", "kv_head", "query_position", "context_tokens",
+        "peer", "config_id", "seed", *PEER_COLUMNS)}
+    ids = list(sequences) if sequences is not None else [s.sequence_id for s in store]
+    for sid in ids:
+        seq = store[sid]
+        for layer in (layers if layers is not None else range(store.model.n_layers)):
+            trace = load_layer(store, seq, int(layer))
+            qidx = evaluated_queries(trace, ("decode",))
+            for peer in peers:
+                for seed in (seeds if peer.randomized else seeds[:1]):
+                    states = {g: peer.prepare(trace.layer, g, trace.keys[g],
+                                              trace.prompt_length, seed)
+                              for g in range(trace.n_kv_heads)}
+                    for h in range(trace.n_heads):
+                        for qi in qidx:
+                            x = step_inputs(trace, h, int(qi))
+                            r = peer.step(x, states[x.kv_head], seed, z)
+                            norm = float(np.linalg.norm(x.truth))
+                            r["truth_norm"] = norm
+                            r["rel_err"] = float(np.sqrt(r["err2"]) / max(norm, 1e-300))
+                            for k, v in (("sequence_id", sid), ("task", seq.meta.get("task")),
+                                         ("layer", trace.layer), ("head", h),
+                                         ("kv_head", x.kv_head), ("query_position", x.step),
+                                         ("context_tokens", x.step + 1), ("peer", peer.name),
+                                         ("config_id", peer.label()), ("seed", seed)):
+                                rows[k].append(v)
+                            for k in PEER_COLUMNS:
+                                rows[k].append(float(r.get(k, np.nan)))
+            if progress:
+                print(f"  {sid} layer {layer}: done", flush=True)
+    return pa.table(rows)
