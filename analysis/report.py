@@ -46,7 +46,15 @@ _RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    """A results directory's JSON document (bounded reader), None if it is missing."""
+    from tracesim.safeio import read_json
+
+    if not path.exists() and not path.is_symlink():
+        return None
+    doc = read_json(path, "results summary")
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return doc
 
 
 def load_results(directory: str | Path) -> tuple[pd.DataFrame, dict[str, Any] | None]:

@@ -249,20 +249,15 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    import yaml
-
     from tracesim.errors import UsageError, check_int
+    from tracesim.safeio import read_yaml
     from tracesim.sweep.grid import parse_grid
 
     try:
-        doc = yaml.safe_load(Path(args.grid).read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{args.grid}: byte {exc.start} is not UTF-8, expected a UTF-8 YAML "
-                         "file") from None
+        doc = read_yaml(args.grid, "evict grid")
     except OSError as exc:
-        raise UsageError(f"{args.grid}: cannot read the grid ({exc.strerror or exc})") from None
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise UsageError(f"{args.grid}: not valid YAML: {str(exc)[:300]}") from None
+        raise UsageError(f"{args.grid}: cannot read the grid ({exc.strerror or exc}), expected "
+                         "a YAML file") from None
     if not isinstance(doc, dict):
         raise UsageError(f"{args.grid}: expected a mapping with 'grid' (and 'seeds')")
     grid = doc.get("grid", doc)
@@ -289,8 +284,6 @@ def _fetch_configs(args: argparse.Namespace) -> list[Any] | None:
             if val is not None:
                 raise UsageError(f"{opt}: only applies with --fetch SCHEDULERS")
         return None
-    import yaml
-
     from capture.fetch import FetchConfig
     from tracesim.tiers.model import MemoryModel, TierError, load_memory_model
 
@@ -315,10 +308,7 @@ def _fetch_configs(args: argparse.Namespace) -> list[Any] | None:
             raise UsageError(f"--tiers-spec {exc}") from None
         except OSError as exc:
             raise UsageError(f"--tiers-spec {args.tiers_spec}: cannot read it "
-                             f"({exc.strerror or exc})") from None
-        except (UnicodeDecodeError, yaml.YAMLError) as exc:
-            raise UsageError(f"--tiers-spec {args.tiers_spec}: not a UTF-8 YAML file "
-                             f"({str(exc)[:200]})") from None
+                             f"({exc.strerror or exc}), expected a YAML file") from None
     configs = []
     for s in dict.fromkeys(scheds):
         for b in ([0.0] if s == "none" else dict.fromkeys(budgets)):

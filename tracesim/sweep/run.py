@@ -263,11 +263,13 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
 
 def _same_results(out_dir: Path, plan: TaskPlan, digest: str) -> bool:
     """Whether the existing results file was compacted from exactly these task files."""
-    import json
+    from tracesim.safeio import read_json
 
     try:
-        old = json.loads((out_dir / SUMMARY_FILE).read_text())
+        old = read_json(out_dir / SUMMARY_FILE, "sweep summary")
     except (OSError, ValueError):
+        return False
+    if not isinstance(old, dict):
         return False
     return (old.get("complete") is True and old.get("tasks_digest") == digest
             and old.get("n_rows") == sum(t.rows for t in plan.tasks))

@@ -1,4 +1,5 @@
-"""Sweep specs: a YAML file (``yaml.safe_load`` only) validated into a :class:`SweepSpec`.
+"""Sweep specs: a YAML file (read by :func:`tracesim.safeio.read_yaml`) validated into a
+:class:`SweepSpec`.
 
 Nothing in a spec is executed or imported. Every problem is reported before any work starts,
 as ``<file>: <key>: <what is wrong>``. Relative paths in a spec file are relative to the
@@ -13,8 +14,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from tracesim.policies import Policy
 from tracesim.replay.engine import ReplayOptions
@@ -254,6 +253,22 @@ def _seeds(value: Any, where: str) -> tuple[int, ...]:
     return tuple(range(value))
 
 
+def _prereg(value: Any, base: Path, source: str) -> Path:
+    """The ``prereg`` file: an existing regular file (it is hashed: no FIFO, device, /proc)."""
+    from tracesim.safeio import MAX_HASH_BYTES, regular_file
+
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"{source}: prereg: {value!r} is not an existing file, expected a path")
+    try:
+        regular_file(base / value, "pre-registration file", MAX_HASH_BYTES, error=SpecError)
+    except FileNotFoundError:
+        raise SpecError(f"{source}: prereg: {value!r} is not an existing file, expected a "
+                        "path") from None
+    except SpecError as exc:
+        raise SpecError(f"{source}: prereg: {exc}") from None
+    return (base / value).resolve()
+
+
 def _options(value: Any, where: str) -> ReplayOptions:
     if value is None:
         return ReplayOptions()
@@ -351,7 +366,8 @@ def parse_spec(doc: Any, *, source: str = "<dict>", base_dir: str | Path | None 
     Parameters
     ----------
     doc : mapping
-        The spec (``yaml.safe_load`` output or a dict with the same keys, :data:`SPEC_KEYS`).
+        The spec (:func:`tracesim.safeio.read_yaml` output or a dict with the same keys,
+        :data:`SPEC_KEYS`).
     source : str
         Name used at the start of error messages.
     base_dir : path, optional
@@ -394,9 +410,7 @@ def parse_spec(doc: Any, *, source: str = "<dict>", base_dir: str | Path | None 
         raise SpecError(f"{source}: output: expected a directory path, got {out!r}")
     prereg = doc.get("prereg")
     if prereg is not None:
-        if not isinstance(prereg, str) or not (base / prereg).is_file():
-            raise SpecError(f"{source}: prereg: {prereg!r} is not an existing file")
-        prereg = (base / prereg).resolve()
+        prereg = _prereg(prereg, base, source)
     grid = expand_grid(doc["grid"], f"{source}: grid")
     spec = SweepSpec(
         source=source, name=name, stores=_stores(doc["store"], f"{source}: store", base),
@@ -416,23 +430,14 @@ def parse_spec(doc: Any, *, source: str = "<dict>", base_dir: str | Path | None 
 
 
 def load_spec(path: str | Path, *, output: str | Path | None = None) -> SweepSpec:
-    """Read a YAML spec with ``yaml.safe_load`` and validate it (see :func:`parse_spec`)."""
+    """Read a YAML spec with :func:`tracesim.safeio.read_yaml` (regular file, size and depth
+    limits, no aliases, no duplicate keys) and validate it (see :func:`parse_spec`)."""
+    from tracesim.safeio import read_yaml
+
     path = Path(path)
     try:
-        if path.exists() and not path.is_file():
-            raise SpecError(f"{path}: cannot read the spec: not a regular file, expected a "
-                            "YAML spec file")
-        if path.stat().st_size > MAX_SPEC_BYTES:
-            raise SpecError(f"{path}: spec has {path.stat().st_size} bytes, expected at most "
-                            f"{MAX_SPEC_BYTES}")
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SpecError(f"{path}: byte {exc.start} is not UTF-8, expected a UTF-8 YAML "
+        doc = read_yaml(path, "sweep spec", limit=MAX_SPEC_BYTES, error=SpecError)
+    except FileNotFoundError:
+        raise SpecError(f"{path}: cannot read the spec: no such file, expected a YAML spec "
                         "file") from None
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read the spec: {exc.strerror or exc}") from None
-    try:
-        doc = yaml.safe_load(text)
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise SpecError(f"{path}: not valid YAML: {str(exc)[:300]}") from None
     return parse_spec(doc, source=str(path), base_dir=path.parent.resolve(), output=output)

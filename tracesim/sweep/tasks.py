@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracesim.policies import Policy
+from tracesim.safeio import loads_json
 from tracesim.sweep.spec import SweepSpec, code_fingerprint, selected_sequences
 
 __all__ = ["META_KEY", "Task", "TaskPlan", "config_cost", "plan_tasks", "read_task_meta",
@@ -205,7 +206,7 @@ def read_task_meta(path: Path) -> dict | None:
     """The task metadata of a finished task file, or None if it is missing or unreadable."""
     try:
         md = pq.ParquetFile(path).schema_arrow.metadata or {}
-        return json.loads(md[META_KEY])
+        return loads_json(md[META_KEY], f"{path}: metadata {META_KEY}")
     except (OSError, KeyError, ValueError, pa.ArrowException):
         return None
 
@@ -217,7 +218,7 @@ def task_file_ok(out_dir: Path, task: Task) -> bool:
         return False
     try:
         f = pq.ParquetFile(path)
-        md = json.loads((f.schema_arrow.metadata or {})[META_KEY])
+        md = loads_json((f.schema_arrow.metadata or {})[META_KEY], f"{path}: metadata")
         return (md.get("key") == task.key and f.metadata.num_rows == task.rows
                 and md.get("rows") == task.rows
                 and f.schema_arrow.remove_metadata().equals(sweep_schema()))

@@ -1,5 +1,5 @@
-"""``tiers.yaml``: what ``tracesim tiers`` simulates (read with ``yaml.safe_load``; nothing in it
-is executed or imported).
+"""``tiers.yaml``: what ``tracesim tiers`` simulates (read with
+:func:`tracesim.safeio.read_yaml`; nothing in it is executed or imported).
 
 .. code-block:: yaml
 
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from tracesim.policies import Policy
 from tracesim.sweep.grid import parse_grid
@@ -151,17 +150,14 @@ def parse_tiers_spec(doc: Any, source: str = "<dict>") -> TiersSpec:
 
 def load_tiers_spec(path: str | Path) -> TiersSpec:
     """Read and validate a tiers spec file; a relative ``store`` is resolved against it."""
+    from tracesim.safeio import read_yaml
+
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise TierError(f"{path}: not UTF-8 text") from None
+        doc = read_yaml(path, "tiers spec", error=TierError)
     except OSError as exc:
-        raise TierError(f"{path}: cannot read the spec ({exc.strerror})") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise TierError(f"{path}: not valid YAML ({exc})") from None
+        raise TierError(f"{path}: cannot read the spec ({exc.strerror}), expected a YAML "
+                        "file") from None
     spec = parse_tiers_spec(doc, str(path))
     if spec.store is not None and not Path(spec.store).is_absolute():
         spec = TiersSpec(**{**spec.__dict__, "store": str((path.parent / spec.store).resolve())})

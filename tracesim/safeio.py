@@ -1,0 +1,319 @@
+"""One bounded reader for every file tracesim reads from a user or a stranger.
+
+Specs, grids, pre-registrations, prompts files, validity rules and the JSON documents inside
+stores and results directories all come through here, so the same rules hold everywhere
+(``docs/threat-model.md``):
+
+- only regular files: a FIFO, a device (``/dev/zero``), a socket, a directory or anything
+  under ``/proc`` or ``/sys`` is refused with its path named, before a byte is read (the file
+  is opened ``O_NONBLOCK`` so that opening a FIFO cannot block either);
+- a size limit checked with ``fstat`` before reading and enforced while reading (at most
+  ``limit + 1`` bytes are ever read, so a file that grows or lies about its size is caught);
+- YAML through :class:`BoundedLoader` (``yaml.SafeLoader`` without aliases, so no "billion
+  laughs"; duplicate keys refused with the key and line named; nesting depth limited before
+  the recursive composer can raise ``RecursionError``);
+- JSON with duplicate keys refused and its nesting depth measured by a scan of the text before
+  ``json.loads`` recurses.
+
+Every refusal is raised as ``error`` (default :class:`~tracesim.errors.UsageError`), a
+``ValueError`` whose message names the file and what was expected; ``tracesim`` prints it as
+one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tracesim.errors import UsageError
+
+__all__ = ["MAX_DEPTH", "MAX_HASH_BYTES", "MAX_JSON_BYTES", "MAX_YAML_BYTES", "BoundedLoader",
+           "hash_file", "loads_json", "loads_yaml", "read_bytes", "read_json", "read_text",
+           "read_yaml", "regular_file"]
+
+#: Largest YAML document accepted (bytes): specs are a few kB; pure-Python YAML parses ~1 MB/s.
+MAX_YAML_BYTES = 1 << 20
+#: Largest JSON document accepted by default (bytes).
+MAX_JSON_BYTES = 16 << 20
+#: Deepest nesting of mappings/lists accepted by default (specs need about 6).
+MAX_DEPTH = 32
+#: Largest file hashed by :func:`hash_file` by default (pre-registrations, specs).
+MAX_HASH_BYTES = 64 << 20
+
+ErrorType = type[Exception]
+
+
+def _pseudo_fs_devices() -> set[int]:
+    """``st_dev`` of /proc and /sys: their "regular" files have no honest size."""
+    out = set()
+    for root in ("/proc", "/sys"):
+        try:
+            out.add(os.stat(root).st_dev)
+        except OSError:
+            pass
+    return out
+
+
+_PSEUDO_DEVS = _pseudo_fs_devices()
+
+
+def _kind(mode: int) -> str:
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode)
+            or stat.S_ISBLK(mode) else "a directory" if stat.S_ISDIR(mode) else "a socket"
+            if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def _open_error(path: Path, exc: OSError, what: str, error: ErrorType) -> Exception:
+    if exc.errno == getattr(os, "ELOOP", -1) or isinstance(exc, RuntimeError):
+        reason = "a symlink loop"
+    else:
+        reason = exc.strerror or str(exc)
+    return error(f"{path}: cannot read the {what} ({reason}), expected a readable regular file")
+
+
+def _check_stat(path: Path, st: os.stat_result, what: str, limit: int | None,
+                error: ErrorType) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: is {_kind(st.st_mode)}, expected the {what} as a regular file")
+    if st.st_dev in _PSEUDO_DEVS:
+        raise error(f"{path}: lies in /proc or /sys, expected the {what} as a regular file")
+    if limit is not None and st.st_size > limit:
+        raise error(f"{path}: the {what} has {st.st_size} bytes, expected at most {limit}")
+
+
+def regular_file(path: str | os.PathLike, what: str = "file", limit: int | None = None,
+                 error: ErrorType = UsageError) -> os.stat_result:
+    """``stat`` of ``path`` after checking it is a regular file of at most ``limit`` bytes.
+
+    Symlinks are followed (a loop is refused); nothing is opened.
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``path`` does not exist (callers word their own "missing" message).
+    error
+        If it is not a regular file, lies in /proc or /sys, or is larger than ``limit``.
+    """
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _open_error(path, exc, what, error) from None
+    _check_stat(path, st, what, limit, error)
+    return st
+
+
+def _open(path: Path, what: str, limit: int | None, error: ErrorType) -> int:
+    """A file descriptor of a checked regular file (the caller closes it)."""
+    try:
+        # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _open_error(path, exc, what, error) from None
+    try:
+        _check_stat(path, os.fstat(fd), what, limit, error)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_bytes(path: str | os.PathLike, limit: int, what: str = "file",
+               error: ErrorType = UsageError) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes (at most ``limit + 1`` are read).
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``path`` does not exist.
+    error
+        Not a regular file, in /proc or /sys, larger than ``limit``, or unreadable.
+    """
+    path = Path(path)
+    fd = _open(path, what, limit, error)
+    try:
+        with os.fdopen(fd, "rb", closefd=True) as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise _open_error(path, exc, what, error) from None
+    if len(data) > limit:  # the file grew after fstat
+        raise error(f"{path}: the {what} has more than {limit} bytes, expected at most {limit}")
+    return data
+
+
+def read_text(path: str | os.PathLike, limit: int, what: str = "file",
+              error: ErrorType = UsageError) -> str:
+    """UTF-8 text of a regular file (see :func:`read_bytes`); bad bytes are refused."""
+    data = read_bytes(path, limit, what, error)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: byte {exc.start} is not UTF-8, expected the {what} as UTF-8 "
+                    "text") from None
+
+
+def hash_file(path: str | os.PathLike, limit: int | None = MAX_HASH_BYTES,
+              what: str = "file", error: ErrorType = UsageError) -> str:
+    """``sha256:<hex>`` of a regular file, read in 1 MiB blocks; at most ``limit`` bytes."""
+    path = Path(path)
+    fd = _open(path, what, limit, error)
+    h, seen = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "rb", closefd=True) as fh:
+            while block := fh.read(1 << 20):
+                seen += len(block)
+                if limit is not None and seen > limit:
+                    raise error(f"{path}: the {what} has more than {limit} bytes, expected "
+                                f"at most {limit}")
+                h.update(block)
+    except OSError as exc:
+        raise _open_error(path, exc, what, error) from None
+    return "sha256:" + h.hexdigest()
+
+
+# --------------------------------------------------------------------------- JSON
+
+# A JSON string (skipped, brackets inside do not count) or one bracket.
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)
+
+
+def json_text_depth(text: str) -> int:
+    """Deepest bracket nesting of a JSON text, by a linear scan (no recursion, no parse)."""
+    depth = best = 0
+    for m in _JSON_TOKENS.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif c in "]}":
+            depth -= 1
+    return best
+
+
+def loads_json(data: bytes | str, label: str, max_depth: int = MAX_DEPTH,
+               error: ErrorType = UsageError) -> Any:
+    """Parse JSON text: depth at most ``max_depth``, no key twice in one object.
+
+    ``label`` names the file (or ``file:line``, or the field) in messages.
+    """
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(f"{label}: byte {exc.start} is not UTF-8, expected UTF-8 JSON") from None
+    depth = json_text_depth(data)
+    if depth > max_depth:
+        raise error(f"{label}: JSON nesting is {depth} levels deep, expected at most "
+                    f"{max_depth}")
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                raise error(f"{label}: key {key!r} appears twice in one JSON object, expected "
+                            "each key once")
+            out[key] = value
+        return out
+
+    try:
+        return json.loads(data, object_pairs_hook=pairs)
+    except RecursionError:  # pragma: no cover - the scan above refuses deep texts first
+        raise error(f"{label}: JSON nesting is too deep, expected at most {max_depth} "
+                    "levels") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{label}: not valid JSON ({exc.msg} at line {exc.lineno} column "
+                    f"{exc.colno}), expected a JSON document") from None
+    except ValueError as exc:
+        if isinstance(exc, error):
+            raise
+        raise error(f"{label}: unreadable JSON ({str(exc)[:200]}), expected a JSON "
+                    "document") from None
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file", limit: int = MAX_JSON_BYTES,
+              max_depth: int = MAX_DEPTH, error: ErrorType = UsageError) -> Any:
+    """Read a JSON file through :func:`read_bytes` and :func:`loads_json`."""
+    return loads_json(read_bytes(path, limit, what, error), str(path), max_depth, error)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses aliases, duplicate keys and deep nesting.
+
+    Aliases are refused outright rather than counted: a spec never needs one, and a count
+    cannot tell a harmless alias from the first step of an exponential expansion. Set
+    :attr:`label`, :attr:`max_depth` and :attr:`error` on the instance before loading.
+    """
+
+    label = "<yaml>"
+    max_depth = MAX_DEPTH
+    error: ErrorType = UsageError
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:  # noqa: D102
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise self.error(f"{self.label}: line {event.start_mark.line + 1}: YAML alias "
+                             f"*{event.anchor} is not accepted, expected every value written "
+                             "out (no anchors or aliases)")
+        self._depth += 1
+        try:
+            if self._depth > self.max_depth:
+                mark = self.peek_event().start_mark
+                raise self.error(f"{self.label}: line {mark.line + 1}: nesting is deeper than "
+                                 f"{self.max_depth} levels, expected at most {self.max_depth}")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:  # noqa: D102
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue  # non-scalar keys are refused by the constructor (unhashable)
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # unhashable: the constructor refuses it below
+                continue
+            if first is not None:
+                raise self.error(f"{self.label}: line {line}: key {key!r} appears twice "
+                                 f"(first on line {first}), expected each key once")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def loads_yaml(text: str, label: str, max_depth: int = MAX_DEPTH,
+               error: ErrorType = UsageError) -> Any:
+    """Parse one YAML document with :class:`BoundedLoader`; errors name ``label``."""
+    loader = BoundedLoader(text)
+    loader.label, loader.max_depth, loader.error = label, max_depth, error
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        raise error(f"{label}: not valid YAML: {str(exc)[:300]}") from None
+    except RecursionError:  # pragma: no cover - compose_node refuses deep documents first
+        raise error(f"{label}: nesting is too deep, expected at most {max_depth} "
+                    "levels") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(path: str | os.PathLike, what: str = "YAML file", limit: int = MAX_YAML_BYTES,
+              max_depth: int = MAX_DEPTH, error: ErrorType = UsageError) -> Any:
+    """Read a YAML file through :func:`read_text` and :func:`loads_yaml`."""
+    return loads_yaml(read_text(path, limit, what, error), str(path), max_depth, error)
