@@ -233,8 +233,12 @@ def run_frontier(results: str | Path, out: str | Path, *,
 def _command(args: argparse.Namespace) -> int:
     from analysis.prereg import PreregChangedError
     from analysis.validity import ValidityRuleError
+    from tracesim.counts import check_finite
 
     try:
+        check_finite(args.alpha, "--alpha", 0.0, 1.0, open_lo=True)
+        if args.alpha >= 1:
+            raise ValueError(f"--alpha {args.alpha}: expected a level in (0, 1)")
         table, notes = run_frontier(args.results, args.out, prereg_path=args.prereg,
                                     rules_path=args.rules, alpha=args.alpha)
     except (ValidityRuleError, PreregChangedError, ValueError) as exc:

@@ -249,7 +249,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from tracesim.errors import UsageError, check_int
+    from tracesim.counts import SEEDS
+    from tracesim.errors import UsageError
     from tracesim.safeio import read_yaml
     from tracesim.sweep.grid import parse_grid
 
@@ -263,7 +264,7 @@ def _command(args: argparse.Namespace) -> int:
     grid = doc.get("grid", doc)
     policies = parse_grid(grid, where=f"{args.grid}: grid")
     seeds = args.seeds if args.seeds is not None else doc.get("seeds", 4)
-    check_int(seeds, f"{args.grid}: seeds" if args.seeds is None else "--seeds", 1, 100_000)
+    SEEDS.check(seeds, f"{args.grid}: seeds" if args.seeds is None else "--seeds")
     fetch = _fetch_configs(args)
     if fetch:
         _check_fetch(policies, fetch)

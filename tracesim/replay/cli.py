@@ -177,9 +177,24 @@ def build_policies(args: argparse.Namespace) -> list:
 
 def _check_args(args: argparse.Namespace) -> Path:
     """Every argument check that needs no file: raise UsageError before anything is opened."""
+    from tracesim.counts import LAYER_INDEX, LAYERS, SEEDS, SEQUENCES, SUMMARY_PAGE
     from tracesim.errors import UsageError, check_int, check_out_dir, check_threads
+    from tracesim.sweep.grid import _schedule
 
-    check_int(args.seeds, "--seeds", 1, MAX_SEEDS)
+    SEEDS.check(args.seeds, "--seeds")
+    if args.layers is not None:
+        LAYERS.check_items(args.layers, "--layers")
+        for i, layer in enumerate(args.layers):
+            LAYER_INDEX.check(layer, f"--layers[{i}]")
+    if args.sequences is not None:
+        SEQUENCES.check_items(args.sequences, "--sequences")
+    SUMMARY_PAGE.check_items(args.summary_page, "--summary-page")
+    for page in args.summary_page:
+        SUMMARY_PAGE.check(page, "--summary-page")
+    try:  # the sweep grammar's one bound on K of decode:K
+        _schedule(args.schedule, "--schedule")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     check_threads(args.threads)
     if args.window is not None:
         check_int(args.window, "--window", 0)
@@ -190,7 +205,7 @@ def _check_args(args: argparse.Namespace) -> Path:
 
 
 #: Largest ``--seeds`` (each seed is one replay of every randomized policy).
-MAX_SEEDS = 100_000
+MAX_SEEDS = 100_000  # == tracesim.counts.SEEDS.hi
 
 
 def run_replay(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracesim.counts import LAYER_INDEX, LAYERS, SEED_VALUE, SEEDS, SEQUENCES
 from tracesim.policies import Policy
 from tracesim.replay.engine import ReplayOptions
 from tracesim.sweep.grid import SpecError, expand_grid
@@ -46,9 +47,9 @@ _OPTION_KEYS = {"alpha": "float", "output_space": "bool", "satterthwaite": "bool
 _ROLES = ("context_window", "question_window", "decode", "all")
 _PARTITION_KEYS = ("layers_per_task", "max_task_memory_mb")
 #: Limits checked before anything is expanded (docs/sweeps.md, "Limits").
-MAX_SEEDS = 100_000  # number of seeds
-MAX_SEED = 2**32 - 1  # largest seed value
-MAX_LAYER = 4095  # largest layer index (model.json allows at most 4096 layers)
+MAX_SEEDS = SEEDS.hi  # number of seeds, in either spelling (tracesim.counts)
+MAX_SEED = SEED_VALUE.hi  # largest seed value
+MAX_LAYER = LAYER_INDEX.hi  # largest layer index (model.json allows at most 4096 layers)
 MAX_SPEC_BYTES = 1 << 20  # size of a spec file
 
 
@@ -214,9 +215,7 @@ def _layers(value: Any, where: str) -> tuple[int, ...] | None:
         step = _int(value.get("step", 1), f"{where}.step", 1)
         out = tuple(range(start, stop, step))
     elif isinstance(value, list):
-        if len(value) > MAX_LAYER + 1:
-            raise SpecError(f"{where}: lists {len(value)} layers, expected at most "
-                            f"{MAX_LAYER + 1}")
+        LAYERS.check_items(value, where, SpecError)
         out = tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
     elif isinstance(value, int) and not isinstance(value, bool):
         out = (_int(value, where),)
@@ -236,8 +235,7 @@ def _seeds(value: Any, where: str) -> tuple[int, ...]:
     if isinstance(value, list):
         if not value:
             raise SpecError(f"{where}: is empty; give a count or a list of ints")
-        if len(value) > MAX_SEEDS:
-            raise SpecError(f"{where}: lists {len(value)} seeds, expected at most {MAX_SEEDS}")
+        SEEDS.check_items(value, where, SpecError)  # the cap of the int form, and distinct
         seeds = tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
         if max(seeds) > MAX_SEED:
             raise SpecError(f"{where}: seed {max(seeds)} is out of range, expected seeds in "
@@ -307,6 +305,8 @@ def _sequence_filter(value: Any, where: str) -> SequenceFilter:
         if key not in _SEQ_KEYS:
             raise SpecError(f"{where}.{key}: unknown key; expected one of {list(_SEQ_KEYS)}")
     ids = _str_list(value["ids"], f"{where}.ids") if "ids" in value else None
+    if ids is not None:
+        SEQUENCES.check_items(ids, f"{where}.ids", SpecError)
     tasks = _str_list(value["tasks"], f"{where}.tasks") if "tasks" in value else None
     limit = _int(value["limit"], f"{where}.limit", 1) if "limit" in value else None
     return SequenceFilter(ids, tasks, limit)
