@@ -198,7 +198,11 @@ def run_frontier(results: str | Path, out: str | Path, *,
     """Compute the frontier of a results directory and write the files of :data:`FILES`."""
     from analysis.claims_c8 import c8_rows
     from analysis.prereg import load_prereg
+    from tracesim.outpaths import check_output
 
+    # before anything is computed: the output must not overlap what is read
+    out = check_output(out, [("results", results), ("validity rules file", rules_path),
+                             ("pre-registration file", prereg_path)])
     df = load_frontier_results(results)
     prereg = load_prereg(prereg_path)
     settings = SplitSettings.from_claim(prereg.claims["C8"])
@@ -219,7 +223,6 @@ def run_frontier(results: str | Path, out: str | Path, *,
     table, more = frontier_table(df, rules=rules or None, salt=settings.salt,
                                  fraction=settings.fraction, alpha=alpha)
     notes += more
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), buf)

@@ -104,6 +104,9 @@ def parse_indices(text: str | None, option: str) -> list[int] | None:
 def run(args: argparse.Namespace) -> int:
     """Execute ``tracesim capture``; returns the exit code."""
     try:
+        from tracesim.outpaths import check_output
+
+        check_output(args.out, [("prompts file", args.prompts)])
         args.layer_list = parse_indices(args.layers, "--layers")
         args.head_list = parse_indices(args.heads, "--heads")
     except ValueError as exc:

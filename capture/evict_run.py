@@ -101,7 +101,9 @@ def run_evict(
     check_int(max_new_tokens, "max_new_tokens", 1, 1 << 20)
     if isinstance(seeds, int):
         check_int(seeds, "seeds", 1, 100_000)
-    out = check_out_dir(out)
+    from tracesim.outpaths import check_output
+
+    out = check_out_dir(check_output(out, [("trace store", store_path)]))
     store = open_store(store_path)
     if store.is_subset:
         raise ValueError(f"{store_path}: the store holds a subset of the model's layers/heads "
@@ -251,9 +253,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def _command(args: argparse.Namespace) -> int:
     from tracesim.counts import SEEDS
     from tracesim.errors import UsageError
+    from tracesim.outpaths import check_output
     from tracesim.safeio import read_yaml
     from tracesim.sweep.grid import parse_grid
 
+    check_output(args.out, [("trace store", args.traces), ("evict grid", args.grid),
+                            ("tiers spec", args.tiers_spec)])
     try:
         doc = read_yaml(args.grid, "evict grid")
     except OSError as exc:

@@ -228,10 +228,12 @@ def _check_args(args: argparse.Namespace) -> tuple[float, ...]:
 
 def run_adversary(args: argparse.Namespace) -> int:
     """Run the ``adversary`` subcommand."""
+    from tracesim.outpaths import check_output
     from tracesim.replay import load_layer
     from tracesim.store import StoreError, open_store
 
     try:
+        check_output(args.out, [("trace store", args.traces)])
         grid = _check_args(args)
         store = open_store(args.traces)
         sid = args.sequence or store.sequence_ids[0]

@@ -198,6 +198,9 @@ def _check_args(args: argparse.Namespace) -> Path:
     check_threads(args.threads)
     if args.window is not None:
         check_int(args.window, "--window", 0)
+    from tracesim.outpaths import check_output
+
+    check_output(args.out, [("trace store", args.traces)])
     out = check_out_dir(args.out)
     if out.exists() and (out / "replay.parquet").is_dir():
         raise UsageError(f"--out {out}: replay.parquet is a directory, expected a file name")

@@ -425,6 +425,13 @@ def parse_spec(doc: Any, *, source: str = "<dict>", base_dir: str | Path | None 
         max_task_memory_mb=_int(part.get("max_task_memory_mb", 1024),
                                 f"{source}: partition.max_task_memory_mb", 16),
         prereg=prereg, skipped=tuple(grid.skipped), raw=dict(doc))
+    if spec.output is not None:  # never write into a store, over the spec or the prereg
+        from tracesim.outpaths import check_output
+
+        check_output(spec.output, [*((f"trace store {r.name!r}", r.path) for r in spec.stores),
+                                   ("sweep spec", None if source == "<dict>" else source),
+                                   ("pre-registration file", prereg)],
+                     f"{source}: output", SpecError)
     _check_selection(spec, source)
     return spec
 

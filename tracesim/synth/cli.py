@@ -46,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_synth(args: argparse.Namespace) -> int:
     """Run ``synth``; 0 on success, 2 on a user error."""
     from tracesim.counts import SYNTH_LAYERS, SYNTH_POSITIONS, SYNTH_SEQUENCES
+    from tracesim.outpaths import check_output
     from tracesim.store import StoreError
 
     from .store import SynthConfig, write_synthetic_store
@@ -53,6 +54,7 @@ def run_synth(args: argparse.Namespace) -> int:
     try:
         # every count bounded before SynthConfig sizes anything (1e12 positions would be a
         # 3.6 TiB position array)
+        check_output(args.out)  # an empty --out would be the working directory
         SYNTH_POSITIONS.check(args.positions, "--positions")
         SYNTH_SEQUENCES.check(args.sequences, "--sequences")
         if args.layers is not None:
