@@ -221,8 +221,9 @@ def member_path(root: Path, rel: Any, label: str) -> Path:
     path = root / rel
     try:
         inside = path.resolve().is_relative_to(root.resolve())
-    except OSError:  # pragma: no cover - resolve() failing is exotic
-        inside = False
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        raise StoreError(f"{label}: field 'file' {rel!r} is a symlink loop, expected a regular "
+                         "file inside the store") from None
     if not inside:
         raise StoreError(f"{label}: field 'file' {rel!r} resolves outside the store, expected "
                          "a file inside the store")

@@ -184,7 +184,11 @@ def _stores(value: Any, where: str, base: Path) -> tuple[StoreRef, ...]:
             path, name = item, None
         if not isinstance(path, str) or not path:
             raise SpecError(f"{key}: expected a store directory (a string), got {path!r}")
-        full = (base / path).resolve()
+        try:
+            full = (base / path).resolve()
+        except RuntimeError:  # a symlink loop (Python < 3.13)
+            raise SpecError(f"{key}: {path!r} is a symlink loop, expected a store directory") \
+                from None
         name = name if name is not None else full.name
         if not isinstance(name, str) or not name:
             raise SpecError(f"{key}.name: expected a non-empty string, got {name!r}")
@@ -249,6 +253,14 @@ def _seeds(value: Any, where: str) -> tuple[int, ...]:
     if value > MAX_SEEDS:
         raise SpecError(f"{where}: {value} seeds, expected at most {MAX_SEEDS}")
     return tuple(range(value))
+
+
+def _resolved(path: Path, where: str) -> Path:
+    try:
+        return path.resolve()
+    except RuntimeError:  # a symlink loop (Python < 3.13)
+        raise SpecError(f"{where}: {str(path)!r} is a symlink loop, expected a directory path") \
+            from None
 
 
 def _prereg(value: Any, base: Path, source: str) -> Path:
@@ -419,7 +431,8 @@ def parse_spec(doc: Any, *, source: str = "<dict>", base_dir: str | Path | None 
         policies=tuple(grid.policies),
         seeds=_seeds(doc.get("seeds", 32), f"{source}: seeds"), record=record,
         options=_options(doc.get("options"), f"{source}: options"),
-        output=None if out is None else (base / out if output is None else Path(out)).resolve(),
+        output=None if out is None else _resolved(base / out if output is None else Path(out),
+                                                  f"{source}: output"),
         layers_per_task=_int(part.get("layers_per_task", 1),
                              f"{source}: partition.layers_per_task", 1),
         max_task_memory_mb=_int(part.get("max_task_memory_mb", 1024),
