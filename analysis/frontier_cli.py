@@ -203,6 +203,8 @@ def run_frontier(results: str | Path, out: str | Path, *,
     # before anything is computed: the output must not overlap what is read
     out = check_output(out, [("results", results), ("validity rules file", rules_path),
                              ("pre-registration file", prereg_path)])
+    # the rules file is read first: a bad --rules fails before the results are loaded
+    given = load_rules(rules_path) if rules_path is not None else None
     df = load_frontier_results(results)
     prereg = load_prereg(prereg_path)
     settings = SplitSettings.from_claim(prereg.claims["C8"])
@@ -211,8 +213,8 @@ def run_frontier(results: str | Path, out: str | Path, *,
     notes = [f"validity rules: split salt `{settings.salt}`, calibration fraction "
              f"{settings.fraction}: {len(split) - len(held)} calibration, {len(held)} held-out "
              f"sequences"]
-    if rules_path is not None:
-        rules = load_rules(rules_path)
+    if given is not None:
+        rules = given
     else:
         cert = c8_rows(df, {**prereg.claims["C8"], "compare": {}, "deployable_only": False})
         rules, fit_notes = fit_rules(cert, settings)

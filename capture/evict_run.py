@@ -290,7 +290,6 @@ def _fetch_configs(args: argparse.Namespace) -> list[Any] | None:
             if val is not None:
                 raise UsageError(f"{opt}: only applies with --fetch SCHEDULERS")
         return None
-    from capture.fetch import FetchConfig
     from tracesim.tiers.model import MemoryModel, TierError, load_memory_model
 
     scheds = [s.strip() for s in args.fetch.split(",") if s.strip()]
@@ -315,6 +314,8 @@ def _fetch_configs(args: argparse.Namespace) -> list[Any] | None:
         except OSError as exc:
             raise UsageError(f"--tiers-spec {args.tiers_spec}: cannot read it "
                              f"({exc.strerror or exc}), expected a YAML file") from None
+    from capture.fetch import FetchConfig  # torch: imported once every input is checked
+
     configs = []
     for s in dict.fromkeys(scheds):
         for b in ([0.0] if s == "none" else dict.fromkeys(budgets)):
