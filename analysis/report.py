@@ -238,10 +238,14 @@ def _c8(res_df: pd.DataFrame, prereg: Preregistration, results_dir, frontier_dir
     if rules is not None:
         c8.detail += f"; rules from {fdir.name}/validity_rules.json"
     if fdir is not None and (fdir / "frontier.md").is_file():
-        report.sections["certificate frontier"] = (fdir / "frontier.md").read_text()
+        from tracesim.safeio import read_bytes, read_text
+
+        # bounded reads: a frontier directory may come from someone else
+        report.sections["certificate frontier"] = read_text(fdir / "frontier.md", 16 << 20,
+                                                            "frontier table")
         if (fdir / "frontier.png").is_file():
-            report.add_figure("frontier", ((fdir / "frontier.png").read_bytes(),
-                                           _FRONTIER_CAPTION))
+            report.add_figure("frontier", (read_bytes(fdir / "frontier.png", 64 << 20,
+                                                      "frontier figure"), _FRONTIER_CAPTION))
     return c8
 
 

@@ -204,7 +204,7 @@ def test_counts_one_bound_every_spelling():
             SEEDS.check(value, "seeds")
     with pytest.raises(UsageError, match="lists 4097 seeds, expected at most 4096"):
         TIERS_SEEDS.check_items(list(range(4097)), "seeds")
-    with pytest.raises(UsageError, match=r"layers\[2\]: 1 is listed twice"):
+    with pytest.raises(UsageError, match=r"layers: 1 repeats \(at \[1\] and \[2\]\)"):
         LAYERS.check_items([0, 1, 1], "layers")
     assert parse_int("1e3", "--n", SEEDS) == 1000
     for text in ("1e30", "9" * 5000, "nan", "inf", "x"):

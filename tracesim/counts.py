@@ -57,15 +57,15 @@ class Count:
         if len(items) > self.hi:
             raise error(f"{where}: lists {len(items)} {self.what}, expected at most {self.hi}")
         if distinct:
-            seen: set[Any] = set()
+            seen: dict[Any, int] = {}
             for i, v in enumerate(items):
                 try:
-                    if v in seen:
-                        raise error(f"{where}[{i}]: {_show(v)} is listed twice, expected "
-                                    f"distinct {self.what}")
-                    seen.add(v)
+                    first = seen.setdefault(v, i)
                 except TypeError:  # unhashable: the caller's type check names it
                     continue
+                if first != i:
+                    raise error(f"{where}: {_show(v)} repeats (at [{first}] and [{i}]), "
+                                f"expected distinct {self.what}")
 
 
 def _show(value: Any) -> str:

@@ -252,6 +252,13 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
 
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite, precision=args.precision)
+    from tracesim.sweep.compact import find_prereg, sha256_file
+
+    # hashed before any result is written: a prereg that cannot be read (a FIFO, a /proc
+    # file) fails the run while the earlier outputs are still the earlier run's
+    prereg = find_prereg(None, args.traces)
+    prereg_doc = None if prereg is None else {"path": str(prereg),
+                                               "sha256": sha256_file(prereg)}
     path = out / "replay.parquet"
     t0 = time.perf_counter()
     skipped: list[str] = []
@@ -269,14 +276,9 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
     atomic_write_text(out / "configs.json", json.dumps(
         [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
     elapsed = time.perf_counter() - t0
-    from tracesim.sweep.compact import find_prereg, sha256_file
-
-    prereg = find_prereg(None, args.traces)
     atomic_write_text(out / "summary.json", json.dumps({
         "store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
-        "wall_time_s": elapsed, "skipped_damaged": skipped,
-        "prereg": None if prereg is None else {"path": str(prereg),
-                                               "sha256": sha256_file(prereg)}}, indent=1))
+        "wall_time_s": elapsed, "skipped_damaged": skipped, "prereg": prereg_doc}, indent=1))
     for msg in skipped:
         print(f"tracesim replay: skipped damaged sequence: {msg}", file=sys.stderr)
     with pq.ParquetFile(path) as fh:  # not read_table, which imports pandas via pyarrow.dataset

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracesim.policies import Policy
-from tracesim.safeio import loads_json
+from tracesim.safeio import loads_json, read_bytes
 from tracesim.sweep.spec import SweepSpec, code_fingerprint, selected_sequences
 
 __all__ = ["META_KEY", "Task", "TaskPlan", "config_cost", "plan_tasks", "read_task_meta",
@@ -164,7 +164,7 @@ def plan_tasks(spec: SweepSpec) -> TaskPlan:
     for ref in spec.stores:
         store = open_store(ref.path)
         m = store.model
-        model_json = (ref.path / "model.json").read_bytes()
+        model_json = read_bytes(ref.path / "model.json", 1 << 20, "store model.json")
         layers = list(spec.layers) if spec.layers is not None else list(range(m.n_layers))
         layer_chunks = [tuple(layers[i:i + spec.layers_per_task])
                         for i in range(0, len(layers), spec.layers_per_task)]
