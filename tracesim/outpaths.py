@@ -7,7 +7,8 @@ anything. It refuses
 - an empty path (``--out ''`` would otherwise mean the working directory);
 - an output that *is*, *contains* or *lies inside* an input directory (a trace store, a
   results directory), or that is or contains an input file (a spec, a pre-registration);
-  symlinks are resolved first, so a link to the store is the store.
+  symlinks are resolved first, so a link to the store is the store;
+- an output inside any trace store, even one the command does not read.
 
 Directories the tools create carry a marker file, :data:`MARKER`, naming the tool. A command
 that replaces a whole directory (``export --overwrite``) replaces only a directory that carries
@@ -73,7 +74,20 @@ def check_output(out: str | os.PathLike[str] | None, inputs: Inputs = (),
             continue
         raise error(f"{option} {out}: {rel} the {label} {path}, expected an output apart from "
                     "every input (writing there would overwrite what is read)")
+    store = _enclosing_store(o)
+    if store is not None:
+        raise error(f"{option} {out}: lies inside the trace store {store}, expected an output "
+                    "outside every trace store")
     return Path(out)
+
+
+def _enclosing_store(path: Path) -> Path | None:
+    """The trace store (a directory with model.json and manifest.parquet) strictly above
+    ``path``, even one the command does not read: nothing is ever written into a store."""
+    for parent in path.parents:
+        if (parent / "model.json").is_file() and (parent / "manifest.parquet").is_file():
+            return parent
+    return None
 
 
 def mark_output(directory: str | os.PathLike[str], tool: str) -> None:
