@@ -163,6 +163,30 @@ def test_reader_refuses_bombs_within_bounded_memory(tmp_path):
                                                                     "c": "x"}
 
 
+@pytest.mark.parametrize("loader", ["BoundedLoader", "PyBoundedLoader"])
+def test_yaml_refusals_same_with_and_without_libyaml(loader):
+    """Where libyaml is missing the pure-Python loader runs: the same refusals, same words."""
+    from tracesim import safeio
+
+    cls = getattr(safeio, loader)
+    cases = {f"name: {laughs()}\n": "x.yaml: name[1][0]: line 1: YAML alias *l0",
+             "a: 1\nb: {c: [1, *q]}\n": "x.yaml: b.c[1]: line 2: YAML alias *q",
+             "grid: " + "[" * 5000 + "]" * 5000 + "\n": "x.yaml: grid",
+             "a: 1\na: 2\n": "x.yaml: line 2: key 'a' appears twice (first on line 1)",
+             "a: [1\n": "x.yaml: not valid YAML"}
+    for text, start in cases.items():
+        with pytest.raises(UsageError) as info:
+            safeio.loads_yaml(text, "x.yaml", loader_class=cls)
+        msg = str(info.value)
+        assert msg.startswith(start) and "\n" not in msg and "expected" in msg, msg
+    doc = "a: {b: [1, 2.5, {c: d}]}\n? [k]\n: 1\ne: !!binary aGk=\n"
+    with pytest.raises(UsageError, match="unhashable"):
+        safeio.loads_yaml(doc, "x.yaml", loader_class=cls)
+    ok = "a: {b: [1, 2.5, {c: d}]}\ne: !!binary aGk=\n<<: {f: 1}\n"
+    assert safeio.loads_yaml(ok, "x.yaml", loader_class=cls) == {
+        "a": {"b": [1, 2.5, {"c": "d"}]}, "e": b"hi", "f": 1}
+
+
 def test_reader_refuses_special_files(tmp_path):
     from tracesim import safeio
 

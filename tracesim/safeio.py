@@ -35,8 +35,9 @@ import yaml
 from tracesim.errors import UsageError
 
 __all__ = ["MAX_DEPTH", "MAX_HASH_BYTES", "MAX_JSON_BYTES", "MAX_YAML_BYTES", "BoundedLoader",
-           "hash_file", "loads_json", "loads_yaml", "read_bytes", "read_json", "read_text",
-           "read_yaml", "regular_file"]
+           "PyBoundedLoader", "hash_file", "json_text_depth", "loads_json", "loads_yaml",
+           "read_bytes", "read_json", "read_text", "read_yaml", "regular_file",
+           "scan_yaml_events"]
 
 #: Largest YAML document accepted (bytes): specs are a few kB; pure-Python YAML parses ~1 MB/s.
 MAX_YAML_BYTES = 1 << 20
@@ -332,10 +333,13 @@ def scan_yaml_events(loader: Any, label: str, max_depth: int = MAX_DEPTH,
             leave_node(frame[3])
 
 
-class BoundedLoader(_LOADER_BASE):  # type: ignore[misc, valid-type]
-    """``yaml.SafeLoader`` (libyaml's when available) that refuses duplicate mapping keys,
-    naming the key and both lines. Aliases and depth are refused by :func:`scan_yaml_events`
-    before this loader composes anything (:func:`loads_yaml`)."""
+# merge (``<<``) and value (``=``) keys are resolved by flatten_mapping, not constructed
+_SPECIAL_KEYS = ("tag:yaml.org,2002:merge", "tag:yaml.org,2002:value")
+
+
+class _NoDuplicateKeys:
+    """Constructor mixin: a mapping key given twice is refused, naming the key and both lines
+    (``yaml.safe_load`` would silently keep the last)."""
 
     label = "<yaml>"
     error: ErrorType = UsageError
@@ -343,7 +347,7 @@ class BoundedLoader(_LOADER_BASE):  # type: ignore[misc, valid-type]
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:  # noqa: D102
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode):
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag in _SPECIAL_KEYS:
                 continue  # non-scalar keys are refused by the constructor (unhashable)
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
@@ -355,15 +359,26 @@ class BoundedLoader(_LOADER_BASE):  # type: ignore[misc, valid-type]
                 raise self.error(f"{self.label}: line {line}: key {key!r} appears twice "
                                  f"(first on line {first}), expected each key once")
             seen[key] = line
-        return super().construct_mapping(node, deep=deep)
+        return super().construct_mapping(node, deep=deep)  # type: ignore[misc]
+
+
+class BoundedLoader(_NoDuplicateKeys, _LOADER_BASE):  # type: ignore[misc, valid-type]
+    """``yaml.SafeLoader`` (libyaml's when available) that refuses duplicate mapping keys.
+    Aliases and depth are refused by :func:`scan_yaml_events` before this loader composes
+    anything (:func:`loads_yaml`)."""
+
+
+class PyBoundedLoader(_NoDuplicateKeys, yaml.SafeLoader):
+    """The pure-Python :class:`BoundedLoader` (what runs where libyaml is not installed)."""
 
 
 def loads_yaml(text: str, label: str, max_depth: int = MAX_DEPTH,
-               error: ErrorType = UsageError) -> Any:
+               error: ErrorType = UsageError, loader_class: type | None = None) -> Any:
     """Parse one YAML document: events scanned first (:func:`scan_yaml_events`: no alias, at
-    most ``max_depth`` levels), then loaded by :class:`BoundedLoader` (no duplicate key)."""
+    most ``max_depth`` levels), then loaded by ``loader_class`` (default
+    :class:`BoundedLoader`; no duplicate key)."""
     for step in ("scan", "load"):
-        loader = BoundedLoader(text)
+        loader = (loader_class or BoundedLoader)(text)
         loader.label, loader.error = label, error
         try:
             if step == "scan":
