@@ -230,6 +230,15 @@ def count_cases(p: dict[str, str]) -> list[Case]:
         {"name": "grid summary_page 1e30", "argv": ["sweep", page, "--dry-run",
                                                     "--no-calibrate"],
          "expect": ["page.yaml", "summary_page"]},
+        {"name": "capture --layers 0-999999", "argv": ["capture", "--layers", "0-999999",
+                                                       "--out", _out(p, "c-layers")],
+         "expect": ["--layers", "4095"]},
+        {"name": "evict --seeds 1e9", "argv": ["evict", store, "--grid", p["grid"], "--seeds",
+                                               str(10**9), "--out", _out(p, "e-seeds")],
+         "expect": ["--seeds", "100000"]},
+        {"name": "adversary --seeds 1e9", "argv": ["adversary", store, "--seeds", str(10**9),
+                                                   "--out", _out(p, "a-seeds")],
+         "expect": ["--seeds", "100000"]},
     ]
 
 
