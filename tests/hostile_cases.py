@@ -282,6 +282,11 @@ def output_cases(p: dict[str, str]) -> list[Case]:
          "argv": ["frontier", results, "--out", results], "expect": ["--out", "results"]},
         {"name": "synth --out ''", "argv": ["synth", "--positions", "4096", "--out", ""],
          "expect": ["--out", "empty"]},
+        {"name": "replay into earlier results, refused",
+         "argv": ["replay", store, "--seeds", "0", "--out", results], "expect": ["--seeds"]},
+        {"name": "export a device over an earlier export",
+         "argv": ["export", "/dev/zero", "--format", "csv", "--out", p["export"],
+                  "--overwrite"], "expect": ["/dev/zero", "regular file"]},
     ]
 
 

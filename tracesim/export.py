@@ -50,6 +50,9 @@ def find_results(path: str | os.PathLike) -> Path:
                               f"directory holding one of {list(RESULT_FILES)})")
         return p
     if not p.is_dir():
+        if p.exists():  # a FIFO, a device: never opened
+            raise ExportError(f"{p}: is not a regular file or a directory, expected a .parquet "
+                              "results file or a results directory")
         raise ExportError(f"{p}: no such file or directory")
     for name in RESULT_FILES:
         if (p / name).is_file():
