@@ -4,7 +4,8 @@ Every file of a store (``model.json``, ``manifest.parquet``, ``o_proj.arrow``, `
 is opened through :func:`member_file`: it must be a regular file that resolves inside the
 store (no FIFO, device, socket or symlink escape), so nothing read from a stranger's store can
 hang a reader or read without bound. JSON documents are read by :func:`read_json_bounded`
-with a size and a nesting-depth limit.
+with a size limit and :func:`tracesim.safeio.loads_json` (nesting depth scanned before
+parsing, a key given twice refused).
 """
 
 from __future__ import annotations
