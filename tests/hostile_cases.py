@@ -186,7 +186,7 @@ def special_file_cases(p: dict[str, str]) -> list[Case]:
         {"name": "evict grid symlink loop",
          "argv": ["evict", store, "--grid", str(root / "specs" / "loop.yaml"), "--out",
                   _out(p, "e-loop")],
-         "expect": ["loop.yaml", "symbolic links"]},
+         "expect": ["loop.yaml", "symlink loop"]},
         {"name": "sweep spec 2 MB", "argv": ["sweep", str(big), "--dry-run"],
          "expect": ["big.yaml", "bytes"]},
     ]
@@ -226,7 +226,7 @@ def count_cases(p: dict[str, str]) -> list[Case]:
          "expect": ["--summary-page", "1048576"]},
         {"name": "replay --schedule decode:1e30",
          "argv": [*replay, "--schedule", "decode:" + str(10**30), "--out",
-                  _out(p, "rp-sched")], "expect": ["--schedule", "decode:K"]},
+                  _out(p, "rp-sched")], "expect": ["--schedule", "decode:K", "1048576"]},
         {"name": "grid summary_page 1e30", "argv": ["sweep", page, "--dry-run",
                                                     "--no-calibrate"],
          "expect": ["page.yaml", "summary_page"]},

@@ -195,7 +195,7 @@ def test_reader_refuses_special_files(tmp_path):
     (tmp_path / "big").write_bytes(b"x" * 2048)
     for path, word in (("/dev/zero", "device"), (tmp_path / "fifo", "FIFO"),
                        (tmp_path, "directory"), ("/proc/self/status", "/proc"),
-                       (tmp_path / "loop", "symbolic links")):
+                       (tmp_path / "loop", "symlink loop")):
         _refused(safeio.read_bytes, path, 1 << 20, "spec", match=(str(path), word))
         _refused(safeio.hash_file, path, match=(str(path), word))
     _refused(safeio.read_bytes, tmp_path / "big", 1024, match=("2048 bytes", "1024"))

@@ -22,6 +22,7 @@ one line and exits 2.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -72,7 +73,7 @@ def _kind(mode: int) -> str:
 
 
 def _open_error(path: Path, exc: OSError, what: str, error: ErrorType) -> Exception:
-    if exc.errno == getattr(os, "ELOOP", -1) or isinstance(exc, RuntimeError):
+    if exc.errno == errno.ELOOP:
         reason = "a symlink loop"
     else:
         reason = exc.strerror or str(exc)
@@ -115,6 +116,8 @@ def regular_file(path: str | os.PathLike, what: str = "file", limit: int | None 
 
 def _open(path: Path, what: str, limit: int | None, error: ErrorType) -> int:
     """A file descriptor of a checked regular file (the caller closes it)."""
+    # stat first: a device is refused without being opened (opening some has side effects)
+    regular_file(path, what, limit, error)
     try:
         # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
@@ -122,7 +125,7 @@ def _open(path: Path, what: str, limit: int | None, error: ErrorType) -> int:
         raise
     except OSError as exc:
         raise _open_error(path, exc, what, error) from None
-    try:
+    try:  # again on the descriptor: the path may have been swapped since the stat
         _check_stat(path, os.fstat(fd), what, limit, error)
     except BaseException:
         os.close(fd)

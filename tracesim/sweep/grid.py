@@ -160,9 +160,8 @@ def _schedule(value: Any, where: str) -> Schedule:
         return Schedule(kind)
     # the digit count first: int() of a 10**6-digit K would itself be slow
     if not every.isdigit() or len(every) > 8 or not 1 <= int(every) <= DECODE_EVERY.hi:
-        raise _fail(where, f"{value[:40]!r}: K in 'decode:K' must be an integer >= 1 "
-                           f"and <= {DECODE_EVERY.hi}, expected decode:K with K in "
-                           f"[1, {DECODE_EVERY.hi}]")
+        raise _fail(where, f"{value[:40]!r}: K is not an integer in [1, {DECODE_EVERY.hi}], "
+                           f"expected 'decode:K' with K in [1, {DECODE_EVERY.hi}]")
     return Schedule("decode", int(every))
 
 
