@@ -84,7 +84,8 @@ def _check_stat(path: Path, st: os.stat_result, what: str, limit: int | None,
                 error: ErrorType) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise error(f"{path}: is {_kind(st.st_mode)}, expected the {what} as a regular file")
-    if st.st_dev in _PSEUDO_DEVS:
+    # by device and by path: mounts below /proc (binfmt_misc, ...) have devices of their own
+    if st.st_dev in _PSEUDO_DEVS or os.path.realpath(path).startswith(("/proc/", "/sys/")):
         raise error(f"{path}: lies in /proc or /sys, expected the {what} as a regular file")
     if limit is not None and st.st_size > limit:
         raise error(f"{path}: the {what} has {st.st_size} bytes, expected at most {limit}")
