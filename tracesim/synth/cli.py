@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_synth(args: argparse.Namespace) -> int:
     """Run ``synth``; 0 on success, 2 on a user error."""
-    from tracesim.counts import SYNTH_LAYERS, SYNTH_POSITIONS, SYNTH_SEQUENCES
+    from tracesim.counts import SEED_VALUE, SYNTH_LAYERS, SYNTH_POSITIONS, SYNTH_SEQUENCES
     from tracesim.outpaths import check_output
     from tracesim.store import StoreError
 
@@ -61,6 +61,7 @@ def run_synth(args: argparse.Namespace) -> int:
             SYNTH_LAYERS.check(args.layers, "--layers")
         for opt in ("decode", "window", "h2o_queries"):
             SYNTH_POSITIONS.check(getattr(args, opt), "--" + opt.replace("_", "-"))
+        SEED_VALUE.check(args.seed, "--seed")  # like every seed; 1e30 overflowed a C long
         cfg = SynthConfig(positions=args.positions, shape=args.shape, layers=args.layers,
                           sequences=args.sequences, decode=args.decode, window=args.window,
                           h2o_queries=args.h2o_queries, dtype=args.dtype,
