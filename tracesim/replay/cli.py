@@ -179,7 +179,7 @@ def _check_args(args: argparse.Namespace) -> Path:
     """Every argument check that needs no file: raise UsageError before anything is opened."""
     from tracesim.counts import LAYER_INDEX, LAYERS, SEEDS, SEQUENCES, SUMMARY_PAGE
     from tracesim.errors import UsageError, check_int, check_out_dir, check_threads
-    from tracesim.sweep.grid import _schedule
+    from tracesim.sweep.grid import parse_schedule
 
     SEEDS.check(args.seeds, "--seeds")
     if args.layers is not None:
@@ -192,7 +192,7 @@ def _check_args(args: argparse.Namespace) -> Path:
     for page in args.summary_page:
         SUMMARY_PAGE.check(page, "--summary-page")
     try:  # the sweep grammar's one bound on K of decode:K
-        _schedule(args.schedule, "--schedule")
+        parse_schedule(args.schedule, "--schedule")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     check_threads(args.threads)

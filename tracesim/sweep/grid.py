@@ -34,7 +34,7 @@ from tracesim.policies.kvpress import budget_from_compression_ratio
 from tracesim.schedules import Schedule
 
 __all__ = ["GRID_KEYS", "BudgetWarning", "GridExpansion", "SpecError", "expand_grid",
-           "parse_grid"]
+           "parse_grid", "parse_schedule"]
 
 #: Keys of a grid mapping -> (required, meaning).
 GRID_KEYS: dict[str, tuple[bool, str]] = {
@@ -148,7 +148,9 @@ def _from_ratio(value: Any, where: str) -> list[float]:
     return out
 
 
-def _schedule(value: Any, where: str) -> Schedule:
+def parse_schedule(value: Any, where: str) -> Schedule:
+    """``oneshot``, ``decode`` or ``decode:K`` with K in [1, 2^20]; :class:`SpecError` naming
+    ``where`` otherwise (the one reading of a schedule, shared by ``tracesim replay``)."""
     if not isinstance(value, str):
         raise _fail(where, f"{value!r} is not a schedule; expected 'oneshot', 'decode' or "
                            "'decode:K'")
@@ -160,8 +162,8 @@ def _schedule(value: Any, where: str) -> Schedule:
         return Schedule(kind)
     # the digit count first: int() of a 10**6-digit K would itself be slow
     if not every.isdigit() or len(every) > 8 or not 1 <= int(every) <= DECODE_EVERY.hi:
-        raise _fail(where, f"{value[:40]!r}: K is not an integer in [1, {DECODE_EVERY.hi}], "
-                           f"expected 'decode:K' with K in [1, {DECODE_EVERY.hi}]")
+        raise _fail(where, f"{value[:40]!r}: K in 'decode:K' must be an integer >= 1 and <= "
+                           f"{DECODE_EVERY.hi} (expected e.g. 'decode:16')")
     return Schedule("decode", int(every))
 
 
@@ -287,8 +289,8 @@ def _expand_one(grid: Any, where: str, limit: int = MAX_GRID) -> GridExpansion:
     allocators = _names(grid.get("allocator", "uniform"), f"{where}.allocator",
                         {a: None for a in ALLOCATORS}, "allocator")
     raw_s = grid.get("schedule", "oneshot")
-    schedules = [_schedule(s, f"{where}.schedule[{i}]" if isinstance(raw_s, list) else
-                           f"{where}.schedule")
+    schedules = [parse_schedule(s, f"{where}.schedule[{i}]" if isinstance(raw_s, list) else
+                                f"{where}.schedule")
                  for i, s in enumerate(_as_list(raw_s, f"{where}.schedule"))]
     pages = _pages(grid.get("summary_page", 0), f"{where}.summary_page")
     score_p = _section(grid, "score_params", scores, SCORE_REGISTRY, where,
