@@ -6,22 +6,21 @@ log-prob summaries and certificate aggregates (see ``docs/evict.md``).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pandas as pd
 
 from analysis.auc import cluster_bootstrap_auc, delong_auc, delong_paired_test
 from analysis.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimResult
 from analysis.equivalence import paired_noninferiority, paired_tost
+from tracesim.safeio import loads_json
 
 __all__ = ["evaluate_c2_accuracy", "evaluate_c3", "evaluate_c4", "evaluate_c6"]
 
 
 def _question_aware(params: str) -> bool:
     try:
-        return bool(json.loads(params).get("question_aware", True))
-    except (TypeError, ValueError):
+        return bool(loads_json(params, "score_params").get("question_aware", True))
+    except (AttributeError, TypeError, ValueError):
         return True
 
 

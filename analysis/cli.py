@@ -14,8 +14,14 @@ _DEFAULT_PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
 def _command(args: argparse.Namespace) -> int:
     from analysis.prereg import PreregChangedError
     from analysis.report import build_report, write_report
+    from tracesim.outpaths import check_output
 
     try:
+        check_output(args.out, [("results", args.results), ("outcomes", args.outcomes),
+                                ("adversary results", args.adversary),
+                                ("trace store", args.traces), ("tiers results", args.tiers),
+                                ("frontier results", args.frontier),
+                                ("pre-registration file", args.prereg)])
         report = build_report(args.results, args.outcomes, prereg_path=args.prereg,
                               adversary_dir=args.adversary, traces_dir=args.traces,
                               allow_prereg_change=args.allow_prereg_change,

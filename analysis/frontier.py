@@ -59,20 +59,31 @@ def _fmt(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+def _params(text: Any) -> dict[str, Any]:
+    """A ``score_params`` cell of a results table (from a stranger: bounded, a JSON object)."""
+    from tracesim.safeio import loads_json
+
+    if not isinstance(text, str) or not text:
+        return {}
+    doc = loads_json(text, "results: score_params", max_depth=4)
+    if not isinstance(doc, dict):
+        raise ValueError(f"results: score_params is {text[:80]!r}, expected a JSON object")
+    return doc
+
+
 def family_labels(df: pd.DataFrame) -> pd.Series:
     """A short readable label per row's family (score parameters shown only where they vary)."""
     keys = [c for c in _FAMILY if c in df]
     fam = df[keys].drop_duplicates()
     varying: dict[str, set[str]] = {}
     for score, g in fam.groupby("score"):
-        params = [json.loads(p) if isinstance(p, str) and p else {} for p in g["score_params"]]
+        params = [_params(p) for p in g["score_params"]]
         allk = {k for p in params for k in p}
         varying[score] = {k for k in allk if len({json.dumps(p.get(k)) for p in params}) > 1}
     labels = {}
     for row in fam.itertuples(index=False):
         r = row._asdict()
-        p = json.loads(r["score_params"]) if isinstance(r["score_params"], str) and \
-            r["score_params"] else {}
+        p = _params(r["score_params"])
         sp = ",".join(f"{k}={_fmt(p[k])}" for k in sorted(varying.get(r["score"], ())) if k in p)
         lab = r["score"] + (f"[{sp}]" if sp else "") + "/" + r["design"]
         inner = []

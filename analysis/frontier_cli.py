@@ -198,7 +198,13 @@ def run_frontier(results: str | Path, out: str | Path, *,
     """Compute the frontier of a results directory and write the files of :data:`FILES`."""
     from analysis.claims_c8 import c8_rows
     from analysis.prereg import load_prereg
+    from tracesim.outpaths import check_output
 
+    # before anything is computed: the output must not overlap what is read
+    out = check_output(out, [("results", results), ("validity rules file", rules_path),
+                             ("pre-registration file", prereg_path)])
+    # the rules file is read first: a bad --rules fails before the results are loaded
+    given = load_rules(rules_path) if rules_path is not None else None
     df = load_frontier_results(results)
     prereg = load_prereg(prereg_path)
     settings = SplitSettings.from_claim(prereg.claims["C8"])
@@ -207,8 +213,8 @@ def run_frontier(results: str | Path, out: str | Path, *,
     notes = [f"validity rules: split salt `{settings.salt}`, calibration fraction "
              f"{settings.fraction}: {len(split) - len(held)} calibration, {len(held)} held-out "
              f"sequences"]
-    if rules_path is not None:
-        rules = load_rules(rules_path)
+    if given is not None:
+        rules = given
     else:
         cert = c8_rows(df, {**prereg.claims["C8"], "compare": {}, "deployable_only": False})
         rules, fit_notes = fit_rules(cert, settings)
@@ -219,7 +225,6 @@ def run_frontier(results: str | Path, out: str | Path, *,
     table, more = frontier_table(df, rules=rules or None, salt=settings.salt,
                                  fraction=settings.fraction, alpha=alpha)
     notes += more
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), buf)
@@ -233,8 +238,12 @@ def run_frontier(results: str | Path, out: str | Path, *,
 def _command(args: argparse.Namespace) -> int:
     from analysis.prereg import PreregChangedError
     from analysis.validity import ValidityRuleError
+    from tracesim.counts import check_finite
 
     try:
+        check_finite(args.alpha, "--alpha", 0.0, 1.0, open_lo=True)
+        if args.alpha >= 1:
+            raise ValueError(f"--alpha {args.alpha}: expected a level in (0, 1)")
         table, notes = run_frontier(args.results, args.out, prereg_path=args.prereg,
                                     rules_path=args.rules, alpha=args.alpha)
     except (ValidityRuleError, PreregChangedError, ValueError) as exc:

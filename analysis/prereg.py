@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 __all__ = ["CLAIM_IDS", "PreregChangedError", "Preregistration", "check_prereg_hash",
            "load_prereg", "prereg_hash"]
@@ -38,11 +35,14 @@ class Preregistration:
 
 def prereg_hash(path: str | Path) -> str:
     """``sha256:<hex>`` of the file's bytes (what results summaries record)."""
-    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    from tracesim.safeio import hash_file
+
+    return hash_file(path, what="pre-registration file")
 
 
 def load_prereg(path: str | Path) -> Preregistration:
-    """Load and validate a pre-registration file (``yaml.safe_load``; nothing is executed).
+    """Load and validate a pre-registration file (:func:`tracesim.safeio.read_yaml`; nothing is
+    executed).
 
     Raises
     ------
@@ -50,12 +50,12 @@ def load_prereg(path: str | Path) -> Preregistration:
         Naming the file and the key on any problem.
     """
     path = Path(path)
+    from tracesim.safeio import read_yaml
+
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        doc = read_yaml(path, "pre-registration file")
     except FileNotFoundError:
         raise ValueError(f"{path}: pre-registration file not found") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
 

@@ -9,7 +9,6 @@ sequence — into a tier and a sentence the report prints at the top.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,9 @@ def _store_model(path: str | Path | None) -> dict[str, Any] | None:
         return None
     f = Path(path) / "model.json"
     try:
-        return json.loads(f.read_text()) if f.is_file() else None
+        from tracesim.safeio import read_json
+
+        return read_json(f, "store model.json", limit=1 << 20) if f.is_file() else None
     except (OSError, ValueError):
         return None
 

@@ -46,7 +46,15 @@ _RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    """A results directory's JSON document (bounded reader), None if it is missing."""
+    from tracesim.safeio import read_json
+
+    if not path.exists() and not path.is_symlink():
+        return None
+    doc = read_json(path, "results summary")
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return doc
 
 
 def load_results(directory: str | Path) -> tuple[pd.DataFrame, dict[str, Any] | None]:
@@ -230,10 +238,14 @@ def _c8(res_df: pd.DataFrame, prereg: Preregistration, results_dir, frontier_dir
     if rules is not None:
         c8.detail += f"; rules from {fdir.name}/validity_rules.json"
     if fdir is not None and (fdir / "frontier.md").is_file():
-        report.sections["certificate frontier"] = (fdir / "frontier.md").read_text()
+        from tracesim.safeio import read_bytes, read_text
+
+        # bounded reads: a frontier directory may come from someone else
+        report.sections["certificate frontier"] = read_text(fdir / "frontier.md", 16 << 20,
+                                                            "frontier table")
         if (fdir / "frontier.png").is_file():
-            report.add_figure("frontier", ((fdir / "frontier.png").read_bytes(),
-                                           _FRONTIER_CAPTION))
+            report.add_figure("frontier", (read_bytes(fdir / "frontier.png", 64 << 20,
+                                                      "frontier figure"), _FRONTIER_CAPTION))
     return c8
 
 

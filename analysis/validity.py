@@ -303,7 +303,9 @@ def load_rules(path: str | Path) -> dict[str, ValidityRule]:
     """Read rules written by :func:`save_rules` (check them with :func:`check_rules`)."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
+        from tracesim.safeio import read_json
+
+        doc = read_json(path, "validity rule file")
         return {r["config_id"]: ValidityRule.from_dict(r) for r in doc["rules"]}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValidityRuleError(f"{path}: not a validity rule file: {exc}") from None

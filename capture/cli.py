@@ -73,26 +73,40 @@ def parse_indices(text: str | None, option: str) -> list[int] | None:
     ValueError
         Naming ``option`` and the expected form.
     """
+    from tracesim.counts import LAYER_INDEX, LAYERS
+
     if text is None:
         return None
-    out: list[int] = []
+    spans: list[tuple[int, int]] = []
     for part in text.split(","):
         a, sep, b = part.strip().partition("-")
         try:
+            if len(a) > 8 or len(b) > 8:  # beyond every bound; int() of a huge string is slow
+                raise ValueError
             lo = int(a)
             hi = int(b) if sep else lo
         except ValueError:
-            raise ValueError(f"{option} {text!r}: expected comma-separated indices or ranges "
-                             "like '0,4,8-11'") from None
-        if lo < 0 or hi < lo:
-            raise ValueError(f"{option} {text!r}: range {part.strip()!r} is empty or negative")
-        out.extend(range(lo, hi + 1))
+            raise ValueError(f"{option} {text[:60]!r}: expected comma-separated indices "
+                             f"(at most {LAYER_INDEX.hi}) or ranges like '0,4,8-11'") from None
+        if lo < 0 or hi < lo or hi > LAYER_INDEX.hi:
+            raise ValueError(f"{option}: range {part.strip()!r} is empty, negative or beyond "
+                             f"{LAYER_INDEX.hi}, expected indices in [0, {LAYER_INDEX.hi}]")
+        spans.append((lo, hi))
+    # counted before a range is expanded
+    n = sum(hi - lo + 1 for lo, hi in spans)
+    if n > LAYERS.hi:
+        raise ValueError(f"{option}: selects {n} indices, expected at most {LAYERS.hi}")
+    out = [i for lo, hi in spans for i in range(lo, hi + 1)]
+    LAYERS.check_items(out, option, ValueError)
     return out
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``tracesim capture``; returns the exit code."""
     try:
+        from tracesim.outpaths import check_output
+
+        check_output(args.out, [("prompts file", args.prompts)])
         args.layer_list = parse_indices(args.layers, "--layers")
         args.head_list = parse_indices(args.heads, "--heads")
     except ValueError as exc:

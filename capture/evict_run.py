@@ -101,7 +101,9 @@ def run_evict(
     check_int(max_new_tokens, "max_new_tokens", 1, 1 << 20)
     if isinstance(seeds, int):
         check_int(seeds, "seeds", 1, 100_000)
-    out = check_out_dir(out)
+    from tracesim.outpaths import check_output
+
+    out = check_out_dir(check_output(out, [("trace store", store_path)]))
     store = open_store(store_path)
     if store.is_subset:
         raise ValueError(f"{store_path}: the store holds a subset of the model's layers/heads "
@@ -249,26 +251,25 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    import yaml
-
-    from tracesim.errors import UsageError, check_int
+    from tracesim.counts import SEEDS
+    from tracesim.errors import UsageError
+    from tracesim.outpaths import check_output
+    from tracesim.safeio import read_yaml
     from tracesim.sweep.grid import parse_grid
 
+    check_output(args.out, [("trace store", args.traces), ("evict grid", args.grid),
+                            ("tiers spec", args.tiers_spec)])
     try:
-        doc = yaml.safe_load(Path(args.grid).read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{args.grid}: byte {exc.start} is not UTF-8, expected a UTF-8 YAML "
-                         "file") from None
+        doc = read_yaml(args.grid, "evict grid")
     except OSError as exc:
-        raise UsageError(f"{args.grid}: cannot read the grid ({exc.strerror or exc})") from None
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise UsageError(f"{args.grid}: not valid YAML: {str(exc)[:300]}") from None
+        raise UsageError(f"{args.grid}: cannot read the grid ({exc.strerror or exc}), expected "
+                         "a YAML file") from None
     if not isinstance(doc, dict):
         raise UsageError(f"{args.grid}: expected a mapping with 'grid' (and 'seeds')")
     grid = doc.get("grid", doc)
     policies = parse_grid(grid, where=f"{args.grid}: grid")
     seeds = args.seeds if args.seeds is not None else doc.get("seeds", 4)
-    check_int(seeds, f"{args.grid}: seeds" if args.seeds is None else "--seeds", 1, 100_000)
+    SEEDS.check(seeds, f"{args.grid}: seeds" if args.seeds is None else "--seeds")
     fetch = _fetch_configs(args)
     if fetch:
         _check_fetch(policies, fetch)
@@ -289,9 +290,6 @@ def _fetch_configs(args: argparse.Namespace) -> list[Any] | None:
             if val is not None:
                 raise UsageError(f"{opt}: only applies with --fetch SCHEDULERS")
         return None
-    import yaml
-
-    from capture.fetch import FetchConfig
     from tracesim.tiers.model import MemoryModel, TierError, load_memory_model
 
     scheds = [s.strip() for s in args.fetch.split(",") if s.strip()]
@@ -315,10 +313,9 @@ def _fetch_configs(args: argparse.Namespace) -> list[Any] | None:
             raise UsageError(f"--tiers-spec {exc}") from None
         except OSError as exc:
             raise UsageError(f"--tiers-spec {args.tiers_spec}: cannot read it "
-                             f"({exc.strerror or exc})") from None
-        except (UnicodeDecodeError, yaml.YAMLError) as exc:
-            raise UsageError(f"--tiers-spec {args.tiers_spec}: not a UTF-8 YAML file "
-                             f"({str(exc)[:200]})") from None
+                             f"({exc.strerror or exc}), expected a YAML file") from None
+    from capture.fetch import FetchConfig  # torch: imported once every input is checked
+
     configs = []
     for s in dict.fromkeys(scheds):
         for b in ([0.0] if s == "none" else dict.fromkeys(budgets)):

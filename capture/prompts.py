@@ -24,7 +24,6 @@ Fields (anything else is an error):
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,8 @@ GRADERS = ("exact", "contains", "regex")
 FIELDS = ("id", "prompt", "messages", "question", "answer", "grader", "task", "max_new_tokens")
 ROLES = ("system", "user", "assistant")
 _CTX, _Q = "\x00CONTEXT\x00", "\x00QUESTION\x00"
+#: Largest prompts file accepted (bytes); 64 MiB holds thousands of 128k-token prompts.
+MAX_PROMPTS_BYTES = 64 << 20
 
 
 class PromptError(ValueError):
@@ -130,22 +131,22 @@ def load_prompts(path: str | Path) -> list[PromptSpec]:
         ``FILE:LINE: field 'x' is ..., expected ...`` for the first malformed line, a
         duplicate id, or an empty file.
     """
+    from tracesim.safeio import loads_json, read_text
+
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PromptError(f"{path}: cannot read the prompts file ({exc})") from None
+        text = read_text(path, MAX_PROMPTS_BYTES, "prompts file", error=PromptError)
+    except OSError as exc:
+        raise PromptError(f"{path}: cannot read the prompts file ({exc.strerror or exc}), "
+                          "expected a JSONL file") from None
     out: list[PromptSpec] = []
     seen: dict[str, int] = {}
     for n, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         where = f"{path}:{n}"
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise PromptError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}), "
-                              "expected one JSON object per line") from None
+        # loads_json: duplicate keys refused, nesting depth scanned before parsing
+        obj = loads_json(raw, where, error=PromptError)
         spec = _check_line(obj, where)
         if spec.id in seen:
             raise PromptError(f"{where}: field 'id' is {spec.id!r}, already used on line "

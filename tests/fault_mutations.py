@@ -238,8 +238,9 @@ def spec_mutations() -> list[tuple[str, str, object]]:
         ("decode:1e20", "decode", with_(grid_schedule=["decode:" + "1" + "0" * 20])),
         ("decode:0", "decode", with_(grid_schedule=["decode:0"])),
         ("schedule bogus", "schedule", with_(grid_schedule=["bogus"])),
+        # list(big): one object twice would be dumped as a YAML alias, which is refused first
         ("grid 10^6", "combinations", with_(grid_budget=big, grid_design_params={
-            "poisson": {"mixture": big}})),
+            "poisson": {"mixture": list(big)}})),
         ("list 2000", "values", with_(grid_budget=[0.5] * 2000)),
         ("unknown score", "score", with_(grid_score=["nope"])),
         ("unknown key", "bogus", with_(bogus=1)),

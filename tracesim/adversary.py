@@ -197,19 +197,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_adversary)
 
 
+def _check_args(args: argparse.Namespace) -> tuple[float, ...]:
+    """Every check that needs no file (finite numbers, bounded counts); the parsed --grid."""
+    from tracesim.counts import SEEDS, SUMMARY_PAGE, check_finite
+    from tracesim.sweep.grid import MAX_INT_PARAM, MAX_TOKENS
+
+    check_finite(args.budget, "--budget", 0.0, float(MAX_TOKENS), open_lo=True)
+    if args.budget > 1 and not float(args.budget).is_integer():
+        raise ValueError(f"--budget {args.budget}: a budget above 1 is a token count, expected "
+                         "an integer")
+    check_finite(args.mixture, "--mixture", 0.0, 1.0)
+    SEEDS.check(args.seeds, "--seeds")
+    SUMMARY_PAGE.check(args.summary_page, "--summary-page")
+    if args.window is not None and not 0 <= args.window <= MAX_INT_PARAM:
+        raise ValueError(f"--window {args.window}: expected an int in [0, {MAX_INT_PARAM}]")
+    items = [t.strip() for t in args.grid.split(",") if t.strip()]
+    if not items or len(items) > 1000:
+        raise ValueError(f"--grid: {len(items)} perturbation sizes, expected 1 to 1000")
+    grid = []
+    for i, text in enumerate(items):
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"--grid[{i}]: {text[:40]!r} is not a number, expected a finite "
+                             "perturbation size") from None
+        # |t| bounded: t * RMS |v| must stay finite in float32 arithmetic
+        grid.append(check_finite(value, f"--grid[{i}]", -1e12, 1e12, ValueError))
+    return tuple(grid)
+
+
 def run_adversary(args: argparse.Namespace) -> int:
     """Run the ``adversary`` subcommand."""
+    from tracesim.outpaths import check_output
     from tracesim.replay import load_layer
     from tracesim.store import StoreError, open_store
 
     try:
+        check_output(args.out, [("trace store", args.traces)])
+        grid = _check_args(args)
         store = open_store(args.traces)
         sid = args.sequence or store.sequence_ids[0]
         layer = store.model.n_layers // 2 if args.layer is None else args.layer
+        if not 0 <= layer < store.model.n_layers:
+            raise ValueError(f"--layer {layer}: outside the store's layers, expected an int in "
+                             f"[0, {store.model.n_layers})")
         if not 0 <= args.head < store.model.n_heads:
-            raise ValueError(f"--head {args.head} outside [0, {store.model.n_heads})")
+            raise ValueError(f"--head {args.head}: outside the store's heads, expected an int "
+                             f"in [0, {store.model.n_heads})")
+        if sid not in store.sequence_ids:
+            raise ValueError(f"--sequence {sid!r}: not in the store, expected one of "
+                             f"{list(store.sequence_ids)[:5]}")
         trace = load_layer(store, store[sid], layer)
-        grid = tuple(float(x) for x in args.grid.split(","))
         table = impossibility_demo(trace, score=args.score, budget=args.budget, head=args.head,
                                    grid=grid, seeds=args.seeds, mixture=args.mixture,
                                    n_layers=store.model.n_layers,

@@ -103,7 +103,9 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
     if scale not in SCALES:
         raise ValueError(f"--scale {scale!r}: expected one of {sorted(SCALES)}")
     sc = SCALES[scale]
-    out = Path(out)
+    from tracesim.outpaths import check_output
+
+    out = check_output(out)  # an empty --out would be the working directory
     out.mkdir(parents=True, exist_ok=True)
     prereg = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
     prereg = prereg if prereg.is_file() else None

@@ -50,6 +50,9 @@ def find_results(path: str | os.PathLike) -> Path:
                               f"directory holding one of {list(RESULT_FILES)})")
         return p
     if not p.is_dir():
+        if p.exists():  # a FIFO, a device: never opened
+            raise ExportError(f"{p}: is not a regular file or a directory, expected a .parquet "
+                              "results file or a results directory")
         raise ExportError(f"{p}: no such file or directory")
     for name in RESULT_FILES:
         if (p / name).is_file():
@@ -127,7 +130,8 @@ def export_results(results: str | os.PathLike, out: str | os.PathLike, fmt: str,
         ``nan``). ``parquet-dataset``: hive-partitioned by :data:`PARTITION_COLUMNS`; a NaN
         budget (full cache) is written as a null partition value.
     overwrite : bool, default False
-        Replace an existing ``out`` (only once the new export is complete).
+        Replace an existing ``out`` (only once the new export is complete, and only if it is
+        an earlier export: it carries :data:`tracesim.outpaths.MARKER`).
     batch_rows : int, default 65536
         Rows read per record batch (bounds memory).
     max_rows_per_file : int, default 5,000,000
@@ -143,12 +147,16 @@ def export_results(results: str | os.PathLike, out: str | os.PathLike, fmt: str,
     for name, value in (("batch_rows", batch_rows), ("max_rows_per_file", max_rows_per_file)):
         if not isinstance(value, int) or value < 1:
             raise ExportError(f"{name} = {value!r}: expected an integer >= 1")
+    from tracesim.outpaths import check_output, check_replaceable, mark_output
+
     source = find_results(results)
-    out = Path(out)
-    if out.exists() and not overwrite:
+    # never write over what is read: the results file and the directory it was found in
+    out = check_output(out, [("results", results), ("results file", source)], "--out",
+                       ExportError)
+    if (out.exists() or out.is_symlink()) and not overwrite:
         raise ExportError(f"{out}: already exists (choose another --out or pass --overwrite)")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: exists and is not a directory")
+    if out.exists() or out.is_symlink():  # --overwrite replaces only an earlier export
+        check_replaceable(out, "export", "--out", ExportError)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.mkdir()
@@ -157,6 +165,7 @@ def export_results(results: str | os.PathLike, out: str | os.PathLike, fmt: str,
             rows = _write_csv(source, tmp, source.stem, batch_rows)
         else:
             rows = _write_dataset(source, tmp, batch_rows, max_rows_per_file)
+        mark_output(tmp, "export")
         if out.exists():
             old = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.old")
             os.replace(out, old)

@@ -41,7 +41,9 @@ SPECS = {"main": "calibration.yaml", "pages": "calibration-pages.yaml",
 def study_spec(name: str, out: Path, traces: Path) -> dict[str, Any]:
     """The committed spec ``name`` with stores under ``traces`` and output ``out/sweep-name``."""
     path = _ROOT / "data" / "sweeps" / SPECS[name]
-    spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    from tracesim.safeio import read_yaml
+
+    spec = read_yaml(path, "committed sweep spec")
     spec["store"] = [{"path": str((traces / s["name"]).resolve()), "name": s["name"]}
                      for s in spec["store"]]
     spec["output"] = str((out / f"sweep-{name}").resolve())

@@ -178,12 +178,30 @@ def build_policies(args: argparse.Namespace) -> list:
 
 def _check_args(args: argparse.Namespace) -> Path:
     """Every argument check that needs no file: raise UsageError before anything is opened."""
+    from tracesim.counts import LAYER_INDEX, LAYERS, SEEDS, SEQUENCES, SUMMARY_PAGE
     from tracesim.errors import UsageError, check_int, check_out_dir, check_threads
+    from tracesim.sweep.grid import parse_schedule
 
-    check_int(args.seeds, "--seeds", 1, MAX_SEEDS)
+    SEEDS.check(args.seeds, "--seeds")
+    if args.layers is not None:
+        LAYERS.check_items(args.layers, "--layers")
+        for i, layer in enumerate(args.layers):
+            LAYER_INDEX.check(layer, f"--layers[{i}]")
+    if args.sequences is not None:
+        SEQUENCES.check_items(args.sequences, "--sequences")
+    SUMMARY_PAGE.check_items(args.summary_page, "--summary-page")
+    for page in args.summary_page:
+        SUMMARY_PAGE.check(page, "--summary-page")
+    try:  # the sweep grammar's one bound on K of decode:K
+        parse_schedule(args.schedule, "--schedule")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     check_threads(args.threads)
     if args.window is not None:
         check_int(args.window, "--window", 0)
+    from tracesim.outpaths import check_output
+
+    check_output(args.out, [("trace store", args.traces)])
     out = check_out_dir(args.out)
     if out.exists() and (out / "replay.parquet").is_dir():
         raise UsageError(f"--out {out}: replay.parquet is a directory, expected a file name")
@@ -191,7 +209,7 @@ def _check_args(args: argparse.Namespace) -> Path:
 
 
 #: Largest ``--seeds`` (each seed is one replay of every randomized policy).
-MAX_SEEDS = 100_000
+MAX_SEEDS = 100_000  # == tracesim.counts.SEEDS.hi
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -235,6 +253,13 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
 
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite, precision=args.precision)
+    from tracesim.sweep.compact import find_prereg, sha256_file
+
+    # hashed before any result is written: a prereg that cannot be read (a FIFO, a /proc
+    # file) fails the run while the earlier outputs are still the earlier run's
+    prereg = find_prereg(None, args.traces)
+    prereg_doc = None if prereg is None else {"path": str(prereg),
+                                               "sha256": sha256_file(prereg)}
     path = out / "replay.parquet"
     t0 = time.perf_counter()
     skipped: list[str] = []
@@ -252,14 +277,9 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
     atomic_write_text(out / "configs.json", json.dumps(
         [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
     elapsed = time.perf_counter() - t0
-    from tracesim.sweep.compact import find_prereg, sha256_file
-
-    prereg = find_prereg(None, args.traces)
     atomic_write_text(out / "summary.json", json.dumps({
         "store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
-        "wall_time_s": elapsed, "skipped_damaged": skipped,
-        "prereg": None if prereg is None else {"path": str(prereg),
-                                               "sha256": sha256_file(prereg)}}, indent=1))
+        "wall_time_s": elapsed, "skipped_damaged": skipped, "prereg": prereg_doc}, indent=1))
     for msg in skipped:
         print(f"tracesim replay: skipped damaged sequence: {msg}", file=sys.stderr)
     with pq.ParquetFile(path) as fh:  # not read_table, which imports pandas via pyarrow.dataset

@@ -221,8 +221,9 @@ def member_path(root: Path, rel: Any, label: str) -> Path:
     path = root / rel
     try:
         inside = path.resolve().is_relative_to(root.resolve())
-    except OSError:  # pragma: no cover - resolve() failing is exotic
-        inside = False
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        raise StoreError(f"{label}: field 'file' {rel!r} is a symlink loop, expected a regular "
+                         "file inside the store") from None
     if not inside:
         raise StoreError(f"{label}: field 'file' {rel!r} resolves outside the store, expected "
                          "a file inside the store")
@@ -236,12 +237,15 @@ def member_path(root: Path, rel: Any, label: str) -> Path:
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """``"sha256:<hex>"`` of the bytes of ``path``, read in chunks (bounded memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
+    """``"sha256:<hex>"`` of the bytes of ``path``, read in chunks (bounded memory).
+
+    Through :func:`tracesim.safeio.hash_file`: a FIFO, device or /proc file is refused with a
+    :class:`StoreError` instead of being read forever; store files have no size limit.
+    """
+    from tracesim.safeio import hash_file
+
+    del chunk  # hash_file reads 1 MiB blocks
+    return hash_file(path, limit=None, what="store file", error=StoreError)
 
 
 # --------------------------------------------------------------------------- model.json

@@ -4,12 +4,12 @@ Every file of a store (``model.json``, ``manifest.parquet``, ``o_proj.arrow``, `
 is opened through :func:`member_file`: it must be a regular file that resolves inside the
 store (no FIFO, device, socket or symlink escape), so nothing read from a stranger's store can
 hang a reader or read without bound. JSON documents are read by :func:`read_json_bounded`
-with a size and a nesting-depth limit.
+with a size limit and :func:`tracesim.safeio.loads_json` (nesting depth scanned before
+parsing, a key given twice refused).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
@@ -69,18 +69,11 @@ def json_depth(value: Any) -> int:
 
 
 def loads_bounded(data: bytes | str, label: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """``json.loads`` with a depth limit; raise :class:`StoreError` naming ``label``."""
-    try:
-        doc = json.loads(data)
-    except RecursionError:
-        raise StoreError(f"{label}: JSON nesting is too deep, expected at most {max_depth} "
-                         "levels") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise StoreError(f"{label}: unreadable JSON ({exc}), expected UTF-8 JSON") from None
-    if json_depth(doc) > max_depth:
-        raise StoreError(f"{label}: JSON nesting is deeper than {max_depth} levels, expected "
-                         f"at most {max_depth}")
-    return doc
+    """:func:`tracesim.safeio.loads_json` (depth scanned before parsing, duplicate keys
+    refused) raising :class:`StoreError` naming ``label``."""
+    from tracesim.safeio import loads_json
+
+    return loads_json(data, label, max_depth, error=StoreError)
 
 
 def read_json_bounded(root: Path, rel: str, max_bytes: int = MAX_JSON_BYTES,

@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from tracesim.atomic import atomic_output, atomic_write_bytes
+from tracesim.safeio import hash_file, loads_json
 from tracesim.sweep.tasks import META_KEY, Task, sweep_schema
 
 __all__ = ["RESULTS_FILE", "SUMMARY_FILE", "compact", "find_prereg", "sha256_file",
@@ -27,12 +28,12 @@ SUMMARY_FILE = "results/summary.json"
 
 
 def sha256_file(path: Path) -> str:
-    """``sha256:<hex>`` of a file's bytes (the format of ``analysis.prereg.prereg_hash``)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
+    """``sha256:<hex>`` of a file's bytes (the format of ``analysis.prereg.prereg_hash``).
+
+    Through :func:`tracesim.safeio.hash_file`: a FIFO, device or /proc file is refused (it
+    could be read forever) and the size is bounded.
+    """
+    return hash_file(path, what="pre-registration file")
 
 
 def tasks_digest(tasks: Sequence[Task]) -> str:
@@ -83,7 +84,8 @@ def compact(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[str]) ->
             fh, schema, compression="zstd") as writer:
         for task in ordered:
             f = pq.ParquetFile(out_dir / task.path)
-            meta = json.loads((f.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
+            meta = loads_json((f.schema_arrow.metadata or {}).get(META_KEY, b"{}"),
+                              f"{task.path}: metadata {META_KEY}")
             if meta.get("key") != task.key or f.metadata.num_rows != task.rows:
                 raise RuntimeError(f"{task.path}: does not match its task (key "
                                    f"{meta.get('key')} vs {task.key}, rows "

@@ -26,6 +26,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from tracesim.budgets import ALLOCATORS, Budget
+from tracesim.counts import DECODE_EVERY, GRID_CONFIGS, GRID_PARTS, SUMMARY_PAGE
 from tracesim.designs import DESIGN_REGISTRY, DESIGNS, make_design
 from tracesim.policies import CORRECTIONS, SCORE_REGISTRY, SCORES, Policy, make_score
 from tracesim.policies.equivalence import budget_warnings, merge_score_free
@@ -33,7 +34,7 @@ from tracesim.policies.kvpress import budget_from_compression_ratio
 from tracesim.schedules import COORDINATIONS, Schedule
 
 __all__ = ["GRID_KEYS", "BudgetWarning", "GridExpansion", "SpecError", "expand_grid",
-           "parse_grid"]
+           "parse_grid", "parse_schedule"]
 
 #: Keys of a grid mapping -> (required, meaning).
 GRID_KEYS: dict[str, tuple[bool, str]] = {
@@ -59,10 +60,10 @@ GRID_KEYS: dict[str, tuple[bool, str]] = {
 
 _ALLOCATOR_PARAMS = {"uniform": (), "adakv": ("alpha",), "pyramidkv": ("beta",)}
 
-#: Limits checked before anything is expanded (docs/sweeps.md, "Limits").
-MAX_GRID = 10_000  # configurations of one grid (the product of its lists)
+#: Limits checked before anything is expanded (docs/sweeps.md, "Limits"; tracesim.counts).
+MAX_GRID = GRID_CONFIGS.hi  # configurations of a whole grid (summed over a grid list)
 MAX_LIST = 1_000  # values in one list of a grid
-MAX_INT_PARAM = 1 << 20  # integer hyperparameters (window, sinks, ...) and K of decode:K
+MAX_INT_PARAM = 1 << 20  # integer hyperparameters (window, sinks, ...)
 MAX_TOKENS = 2**31 - 1  # token budgets
 
 
@@ -150,7 +151,10 @@ def _from_ratio(value: Any, where: str) -> list[float]:
 _SCHEDULE_FORMS = "'oneshot', 'decode', 'decode:K', 'step' or 'step:permanent'"
 
 
-def _schedule(value: Any, where: str) -> Schedule:
+def parse_schedule(value: Any, where: str) -> Schedule:
+    """``oneshot``, ``decode``, ``decode:K`` with K in [1, 2^20], ``step`` or ``step:C`` with C
+    a coordination; :class:`SpecError` naming ``where`` otherwise (the one reading of a
+    schedule, shared by ``tracesim replay``)."""
     if not isinstance(value, str):
         raise _fail(where, f"{value!r} is not a schedule; expected {_SCHEDULE_FORMS}")
     kind, sep, every = value.partition(":")
@@ -164,9 +168,10 @@ def _schedule(value: Any, where: str) -> Schedule:
         raise _fail(where, f"unknown schedule {value!r}; expected {_SCHEDULE_FORMS}")
     if not sep:
         return Schedule(kind)
-    if not every.isdigit() or not 1 <= int(every) <= MAX_INT_PARAM:
-        raise _fail(where, f"{value!r}: K in 'decode:K' must be an integer >= 1 "
-                           f"and <= {MAX_INT_PARAM}")
+    # the digit count first: int() of a 10**6-digit K would itself be slow
+    if not every.isdigit() or len(every) > 8 or not 1 <= int(every) <= DECODE_EVERY.hi:
+        raise _fail(where, f"{value[:40]!r}: K in 'decode:K' must be an integer >= 1 and <= "
+                           f"{DECODE_EVERY.hi} (expected e.g. 'decode:16')")
     return Schedule("decode", int(every))
 
 
@@ -174,9 +179,9 @@ def _pages(value: Any, where: str) -> list[int]:
     out = []
     for i, v in enumerate(_as_list(value, where)):
         key = f"{where}[{i}]" if isinstance(value, list) else where
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise _fail(key, f"{v!r} is not a page size; expected an integer >= 1 (positions "
-                             "per page) or 0 for no summaries")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= SUMMARY_PAGE.hi:
+            raise _fail(key, f"{v!r} is not a page size; expected an integer in [1, "
+                             f"{SUMMARY_PAGE.hi}] (positions per page) or 0 for no summaries")
         out.append(v)
     return out
 
@@ -251,13 +256,17 @@ def _section(grid: Mapping, key: str, names: list[str], registry: Mapping,
         unknown = [k for k in star if not any(k in types(n) for n in names)]
         if unknown:
             raise _fail(f"{where}.{key}.*.{unknown[0]}", "no listed name has this parameter")
-        merged.update(raw.get(name) or {})
+        own = raw.get(name) or {}
+        if not isinstance(own, Mapping):
+            raise _fail(f"{where}.{key}.{name}", f"{own!r} is not a mapping; expected "
+                                                 "{param: value or [values]}")
+        merged.update(own)
         label = f"{where}.{key}.{name}" if name in raw else f"{where}.{key}.*"
         out[name] = _param_combos(merged, allowed, label)
     return out
 
 
-def _expand_one(grid: Any, where: str) -> GridExpansion:
+def _expand_one(grid: Any, where: str, limit: int = MAX_GRID) -> GridExpansion:
     if not isinstance(grid, Mapping):
         raise _fail(where, f"expected a mapping of {sorted(GRID_KEYS)}, got "
                            f"{type(grid).__name__}")
@@ -288,8 +297,8 @@ def _expand_one(grid: Any, where: str) -> GridExpansion:
     allocators = _names(grid.get("allocator", "uniform"), f"{where}.allocator",
                         {a: None for a in ALLOCATORS}, "allocator")
     raw_s = grid.get("schedule", "oneshot")
-    schedules = [_schedule(s, f"{where}.schedule[{i}]" if isinstance(raw_s, list) else
-                           f"{where}.schedule")
+    schedules = [parse_schedule(s, f"{where}.schedule[{i}]" if isinstance(raw_s, list) else
+                                f"{where}.schedule")
                  for i, s in enumerate(_as_list(raw_s, f"{where}.schedule"))]
     pages = _pages(grid.get("summary_page", 0), f"{where}.summary_page")
     score_p = _section(grid, "score_params", scores, SCORE_REGISTRY, where,
@@ -299,12 +308,14 @@ def _expand_one(grid: Any, where: str) -> GridExpansion:
     alloc_types = {"alpha": "float", "beta": "float"}
     alloc_p = _section(grid, "allocator_params", allocators, {a: None for a in ALLOCATORS},
                        where, lambda n: {k: alloc_types[k] for k in _ALLOCATOR_PARAMS[n]})
+    # counted before a single Policy is built; ``limit`` is what a grid list has left
     size = (sum(len(score_p[s]) for s in scores) * sum(len(design_p[d]) for d in designs)
-            * len(corrections) * len(budgets) * len(schedules)
+            * len(corrections) * len(budgets) * len(schedules) * len(pages)
             * sum(len(alloc_p[a]) for a in allocators))
-    if size > MAX_GRID:
-        raise _fail(where, f"has {size} combinations, expected at most {MAX_GRID} (split the "
-                           "sweep)")
+    if size > limit:
+        total = "" if limit == MAX_GRID else f" (with the mappings before it, more than {MAX_GRID})"
+        raise _fail(where, f"has {size} combinations{total}, expected at most {MAX_GRID} in "
+                           "the whole grid (split the sweep)")
     out: dict[str, Policy] = {}
     skipped: list[str] = []
     for s in scores:
@@ -370,7 +381,13 @@ def expand_grid(grid: Any, where: str = "grid") -> GridExpansion:
     if isinstance(grid, list):
         if not grid:
             raise _fail(where, "is empty; give a mapping with at least 'score'")
-        parts = [_expand_one(g, f"{where}[{i}]") for i, g in enumerate(grid)]
+        GRID_PARTS.check_items(grid, where, SpecError, distinct=False)
+        # One budget for the whole list: 200k copies of one mapping are refused at the first
+        # copy that goes over, before the rest are expanded.
+        parts, left = [], MAX_GRID
+        for i, g in enumerate(grid):
+            parts.append(_expand_one(g, f"{where}[{i}]", left))
+            left -= len(parts[-1].policies) + len(parts[-1].skipped)
         merged: dict[str, Policy] = {}
         for part in parts:
             for p in part.policies:

@@ -173,6 +173,10 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
     if out_dir.exists() and not out_dir.is_dir():
         raise SpecError(f"{spec.source}: output: {out_dir} is not a directory, expected a "
                         "directory (or a path that can be created)")
+    # hashed before any work: an unreadable prereg (a FIFO, a /proc file) fails at once
+    prereg = find_prereg(spec.prereg, spec.source)
+    prereg_doc = None if prereg is None else {"path": str(prereg),
+                                              "sha256": sha256_file(prereg)}
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = DirLock(out_dir, "sweep")
     try:
@@ -241,7 +245,6 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
                 n_rows = compact(out_dir, plan.tasks, [s.name for s in spec.stores])
         else:
             results.unlink(missing_ok=True)
-        prereg = find_prereg(spec.prereg, spec.source)
         summary = SweepSummary(
             name=spec.name, output=str(out_dir), results=str(results) if complete else None,
             spec_hash=plan.spec_hash, tasks_digest=digest, version=__version__,
@@ -250,8 +253,7 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
             wall_time_s=round(time.perf_counter() - t0, 3), backend=backend,
             workers=n_workers, threads_per_worker=threads,
             stores=[{"name": s.name, "path": str(s.path)} for s in spec.stores],
-            prereg=None if prereg is None else {"path": str(prereg),
-                                                "sha256": sha256_file(prereg)},
+            prereg=prereg_doc,
             task_time_s={k: round(v, 3) for k, v in busy.items()},
             failures=failures, notes=notes,
             created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
@@ -263,11 +265,13 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
 
 def _same_results(out_dir: Path, plan: TaskPlan, digest: str) -> bool:
     """Whether the existing results file was compacted from exactly these task files."""
-    import json
+    from tracesim.safeio import read_json
 
     try:
-        old = json.loads((out_dir / SUMMARY_FILE).read_text())
+        old = read_json(out_dir / SUMMARY_FILE, "sweep summary")
     except (OSError, ValueError):
+        return False
+    if not isinstance(old, dict):
         return False
     return (old.get("complete") is True and old.get("tasks_digest") == digest
             and old.get("n_rows") == sum(t.rows for t in plan.tasks))

@@ -1,4 +1,5 @@
-"""Sweep specs: a YAML file (``yaml.safe_load`` only) validated into a :class:`SweepSpec`.
+"""Sweep specs: a YAML file (read by :func:`tracesim.safeio.read_yaml`) validated into a
+:class:`SweepSpec`.
 
 Nothing in a spec is executed or imported. Every problem is reported before any work starts,
 as ``<file>: <key>: <what is wrong>``. Relative paths in a spec file are relative to the
@@ -14,10 +15,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from tracesim.counts import SEQUENCES
 from tracesim.policies import Policy
 from tracesim.replay.engine import ReplayOptions
+from tracesim.sweep.fields import (  # noqa: F401 - MAX_* are part of this module's API
+    MAX_LAYER,
+    MAX_SEED,
+    MAX_SEEDS,
+    _int,
+    _layers,
+    _options,
+    _prereg,
+    _resolved,
+    _seeds,
+    _str_list,
+    _type_name,
+)
 from tracesim.sweep.grid import SpecError, expand_grid
 
 __all__ = ["SPEC_KEYS", "SWEEP_FORMAT", "SequenceFilter", "SpecError", "StoreRef", "SweepSpec",
@@ -42,15 +55,8 @@ SPEC_KEYS: dict[str, str] = {
     "prereg": "pre-registration file whose sha256 the summary records",
 }
 _SEQ_KEYS = ("ids", "tasks", "limit")
-_OPTION_KEYS = {"alpha": "float", "output_space": "bool", "satterthwaite": "bool",
-                "roles": "list", "precision": "precision"}
-_ROLES = ("context_window", "question_window", "decode", "all")
 _PARTITION_KEYS = ("layers_per_task", "max_task_memory_mb")
-#: Limits checked before anything is expanded (docs/sweeps.md, "Limits").
-MAX_SEEDS = 100_000  # number of seeds
-MAX_SEED = 2**32 - 1  # largest seed value
-MAX_LAYER = 4095  # largest layer index (model.json allows at most 4096 layers)
-MAX_SPEC_BYTES = 1 << 20  # size of a spec file
+MAX_SPEC_BYTES = 1 << 20  # size of a spec file (docs/sweeps.md, "Limits")
 
 
 def code_fingerprint() -> str:
@@ -145,27 +151,6 @@ class SweepSpec:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _int(value: Any, where: str, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise SpecError(f"{where}: expected an integer >= {lo}, got {value!r} "
-                        f"({_type_name(value)})")
-    return value
-
-
-def _str_list(value: Any, where: str) -> tuple[str, ...]:
-    items = value if isinstance(value, list) else [value]
-    if not items:
-        raise SpecError(f"{where}: is empty; give at least one value or drop the key")
-    for i, v in enumerate(items):
-        if not isinstance(v, str):
-            raise SpecError(f"{where}[{i}]: expected a string, got {v!r} ({_type_name(v)})")
-    return tuple(items)
-
-
 def _stores(value: Any, where: str, base: Path) -> tuple[StoreRef, ...]:
     from tracesim.store import StoreError, open_store
 
@@ -184,7 +169,11 @@ def _stores(value: Any, where: str, base: Path) -> tuple[StoreRef, ...]:
             path, name = item, None
         if not isinstance(path, str) or not path:
             raise SpecError(f"{key}: expected a store directory (a string), got {path!r}")
-        full = (base / path).resolve()
+        try:
+            full = (base / path).resolve()
+        except RuntimeError:  # a symlink loop (Python < 3.13)
+            raise SpecError(f"{key}: {path!r} is a symlink loop, expected a store directory") \
+                from None
         name = name if name is not None else full.name
         if not isinstance(name, str) or not name:
             raise SpecError(f"{key}.name: expected a non-empty string, got {name!r}")
@@ -198,91 +187,6 @@ def _stores(value: Any, where: str, base: Path) -> tuple[StoreRef, ...]:
     return tuple(refs)
 
 
-def _layers(value: Any, where: str) -> tuple[int, ...] | None:
-    if value is None or value == "all":
-        return None
-    if isinstance(value, Mapping):
-        bad = [k for k in value if k not in ("start", "stop", "step")]
-        if bad:
-            raise SpecError(f"{where}.{bad[0]}: unknown key; expected start, stop, step")
-        if "stop" not in value:
-            raise SpecError(f"{where}.stop: missing")
-        start = _int(value.get("start", 0), f"{where}.start")
-        stop = _int(value["stop"], f"{where}.stop")
-        if stop > MAX_LAYER + 1:
-            raise SpecError(f"{where}.stop: {stop} is out of range, expected <= "
-                            f"{MAX_LAYER + 1}")
-        step = _int(value.get("step", 1), f"{where}.step", 1)
-        out = tuple(range(start, stop, step))
-    elif isinstance(value, list):
-        if len(value) > MAX_LAYER + 1:
-            raise SpecError(f"{where}: lists {len(value)} layers, expected at most "
-                            f"{MAX_LAYER + 1}")
-        out = tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
-    elif isinstance(value, int) and not isinstance(value, bool):
-        out = (_int(value, where),)
-    else:
-        raise SpecError(f"{where}: expected 'all', an int, a list of ints or {{start, stop, "
-                        f"step}}, got {value!r}")
-    if not out:
-        raise SpecError(f"{where}: selects no layer")
-    if max(out) > MAX_LAYER:
-        raise SpecError(f"{where}: layer {max(out)} is out of range, expected <= {MAX_LAYER}")
-    if len(set(out)) != len(out):
-        raise SpecError(f"{where}: layers repeat")
-    return tuple(sorted(out))
-
-
-def _seeds(value: Any, where: str) -> tuple[int, ...]:
-    if isinstance(value, list):
-        if not value:
-            raise SpecError(f"{where}: is empty; give a count or a list of ints")
-        if len(value) > MAX_SEEDS:
-            raise SpecError(f"{where}: lists {len(value)} seeds, expected at most {MAX_SEEDS}")
-        seeds = tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
-        if max(seeds) > MAX_SEED:
-            raise SpecError(f"{where}: seed {max(seeds)} is out of range, expected seeds in "
-                            f"[0, {MAX_SEED}]")
-        if len(set(seeds)) != len(seeds):
-            raise SpecError(f"{where}: seeds repeat")
-        return seeds
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{where}: expected a number of seeds (an int >= 1) or a list of "
-                        f"distinct ints >= 0, got {value!r} ({_type_name(value)})")
-    if value > MAX_SEEDS:
-        raise SpecError(f"{where}: {value} seeds, expected at most {MAX_SEEDS}")
-    return tuple(range(value))
-
-
-def _options(value: Any, where: str) -> ReplayOptions:
-    if value is None:
-        return ReplayOptions()
-    if not isinstance(value, Mapping):
-        raise SpecError(f"{where}: expected a mapping of {sorted(_OPTION_KEYS)}")
-    kwargs: dict[str, Any] = {}
-    for key, v in value.items():
-        k = f"{where}.{key}"
-        if key not in _OPTION_KEYS:
-            raise SpecError(f"{k}: unknown key; expected one of {sorted(_OPTION_KEYS)}")
-        kind = _OPTION_KEYS[key]
-        if kind == "bool" and not isinstance(v, bool):
-            raise SpecError(f"{k}: expected true or false, got {v!r}")
-        if kind == "float":
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
-                raise SpecError(f"{k}: expected a number in (0, 1), got {v!r}")
-            v = float(v)
-        if kind == "precision" and v not in ("float64", "float32"):
-            raise SpecError(f"{k}: expected 'float64' or 'float32', got {v!r}")
-        if kind == "list":
-            v = _str_list(v, k)
-            for i, role in enumerate(v):
-                if role not in _ROLES:
-                    raise SpecError(f"{k}[{i}]: unknown query role {role!r}; expected one of "
-                                    f"{list(_ROLES)}")
-        kwargs[key] = v
-    return ReplayOptions(**kwargs)
-
-
 def _sequence_filter(value: Any, where: str) -> SequenceFilter:
     if value is None:
         return SequenceFilter()
@@ -292,6 +196,8 @@ def _sequence_filter(value: Any, where: str) -> SequenceFilter:
         if key not in _SEQ_KEYS:
             raise SpecError(f"{where}.{key}: unknown key; expected one of {list(_SEQ_KEYS)}")
     ids = _str_list(value["ids"], f"{where}.ids") if "ids" in value else None
+    if ids is not None:
+        SEQUENCES.check_items(ids, f"{where}.ids", SpecError)
     tasks = _str_list(value["tasks"], f"{where}.tasks") if "tasks" in value else None
     limit = _int(value["limit"], f"{where}.limit", 1) if "limit" in value else None
     return SequenceFilter(ids, tasks, limit)
@@ -351,7 +257,8 @@ def parse_spec(doc: Any, *, source: str = "<dict>", base_dir: str | Path | None 
     Parameters
     ----------
     doc : mapping
-        The spec (``yaml.safe_load`` output or a dict with the same keys, :data:`SPEC_KEYS`).
+        The spec (:func:`tracesim.safeio.read_yaml` output or a dict with the same keys,
+        :data:`SPEC_KEYS`).
     source : str
         Name used at the start of error messages.
     base_dir : path, optional
@@ -394,9 +301,7 @@ def parse_spec(doc: Any, *, source: str = "<dict>", base_dir: str | Path | None 
         raise SpecError(f"{source}: output: expected a directory path, got {out!r}")
     prereg = doc.get("prereg")
     if prereg is not None:
-        if not isinstance(prereg, str) or not (base / prereg).is_file():
-            raise SpecError(f"{source}: prereg: {prereg!r} is not an existing file")
-        prereg = (base / prereg).resolve()
+        prereg = _prereg(prereg, base, source)
     grid = expand_grid(doc["grid"], f"{source}: grid")
     spec = SweepSpec(
         source=source, name=name, stores=_stores(doc["store"], f"{source}: store", base),
@@ -405,34 +310,33 @@ def parse_spec(doc: Any, *, source: str = "<dict>", base_dir: str | Path | None 
         policies=tuple(grid.policies),
         seeds=_seeds(doc.get("seeds", 32), f"{source}: seeds"), record=record,
         options=_options(doc.get("options"), f"{source}: options"),
-        output=None if out is None else (base / out if output is None else Path(out)).resolve(),
+        output=None if out is None else _resolved(base / out if output is None else Path(out),
+                                                  f"{source}: output"),
         layers_per_task=_int(part.get("layers_per_task", 1),
                              f"{source}: partition.layers_per_task", 1),
         max_task_memory_mb=_int(part.get("max_task_memory_mb", 1024),
                                 f"{source}: partition.max_task_memory_mb", 16),
         prereg=prereg, skipped=tuple(grid.skipped), raw=dict(doc))
+    if spec.output is not None:  # never write into a store, over the spec or the prereg
+        from tracesim.outpaths import check_output
+
+        check_output(spec.output, [*((f"trace store {r.name!r}", r.path) for r in spec.stores),
+                                   ("sweep spec", None if source == "<dict>" else source),
+                                   ("pre-registration file", prereg)],
+                     f"{source}: output", SpecError)
     _check_selection(spec, source)
     return spec
 
 
 def load_spec(path: str | Path, *, output: str | Path | None = None) -> SweepSpec:
-    """Read a YAML spec with ``yaml.safe_load`` and validate it (see :func:`parse_spec`)."""
+    """Read a YAML spec with :func:`tracesim.safeio.read_yaml` (regular file, size and depth
+    limits, no aliases, no duplicate keys) and validate it (see :func:`parse_spec`)."""
+    from tracesim.safeio import read_yaml
+
     path = Path(path)
     try:
-        if path.exists() and not path.is_file():
-            raise SpecError(f"{path}: cannot read the spec: not a regular file, expected a "
-                            "YAML spec file")
-        if path.stat().st_size > MAX_SPEC_BYTES:
-            raise SpecError(f"{path}: spec has {path.stat().st_size} bytes, expected at most "
-                            f"{MAX_SPEC_BYTES}")
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SpecError(f"{path}: byte {exc.start} is not UTF-8, expected a UTF-8 YAML "
+        doc = read_yaml(path, "sweep spec", limit=MAX_SPEC_BYTES, error=SpecError)
+    except FileNotFoundError:
+        raise SpecError(f"{path}: cannot read the spec: no such file, expected a YAML spec "
                         "file") from None
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read the spec: {exc.strerror or exc}") from None
-    try:
-        doc = yaml.safe_load(text)
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise SpecError(f"{path}: not valid YAML: {str(exc)[:300]}") from None
     return parse_spec(doc, source=str(path), base_dir=path.parent.resolve(), output=output)

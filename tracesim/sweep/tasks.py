@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracesim.policies import Policy
+from tracesim.safeio import loads_json, read_bytes
 from tracesim.sweep.spec import SweepSpec, code_fingerprint, selected_sequences
 
 __all__ = ["META_KEY", "Task", "TaskPlan", "config_cost", "plan_tasks", "read_task_meta",
@@ -163,7 +164,7 @@ def plan_tasks(spec: SweepSpec) -> TaskPlan:
     for ref in spec.stores:
         store = open_store(ref.path)
         m = store.model
-        model_json = (ref.path / "model.json").read_bytes()
+        model_json = read_bytes(ref.path / "model.json", 1 << 20, "store model.json")
         layers = list(spec.layers) if spec.layers is not None else list(range(m.n_layers))
         layer_chunks = [tuple(layers[i:i + spec.layers_per_task])
                         for i in range(0, len(layers), spec.layers_per_task)]
@@ -205,7 +206,7 @@ def read_task_meta(path: Path) -> dict | None:
     """The task metadata of a finished task file, or None if it is missing or unreadable."""
     try:
         md = pq.ParquetFile(path).schema_arrow.metadata or {}
-        return json.loads(md[META_KEY])
+        return loads_json(md[META_KEY], f"{path}: metadata {META_KEY}")
     except (OSError, KeyError, ValueError, pa.ArrowException):
         return None
 
@@ -217,7 +218,7 @@ def task_file_ok(out_dir: Path, task: Task) -> bool:
         return False
     try:
         f = pq.ParquetFile(path)
-        md = json.loads((f.schema_arrow.metadata or {})[META_KEY])
+        md = loads_json((f.schema_arrow.metadata or {})[META_KEY], f"{path}: metadata")
         return (md.get("key") == task.key and f.metadata.num_rows == task.rows
                 and md.get("rows") == task.rows
                 and f.schema_arrow.remove_metadata().equals(sweep_schema()))

@@ -169,7 +169,9 @@ def _configs(out_dir: str, spec_hash: str):
     if key not in _CONFIGS:
         from tracesim.policies import Policy
         from tracesim.replay import ReplayOptions
-        doc = json.loads((Path(out_dir) / "configs.json").read_text())
+        from tracesim.safeio import read_json
+
+        doc = read_json(Path(out_dir) / "configs.json", "sweep configs")
         if doc["spec_hash"] != spec_hash:
             raise RuntimeError(f"{out_dir}/configs.json belongs to spec {doc['spec_hash'][:12]}"
                                f", not {spec_hash[:12]}: another sweep uses this directory")

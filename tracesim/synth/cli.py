@@ -45,11 +45,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_synth(args: argparse.Namespace) -> int:
     """Run ``synth``; 0 on success, 2 on a user error."""
+    from tracesim.counts import SEED_VALUE, SYNTH_LAYERS, SYNTH_POSITIONS, SYNTH_SEQUENCES
+    from tracesim.outpaths import check_output
     from tracesim.store import StoreError
 
     from .store import SynthConfig, write_synthetic_store
 
     try:
+        # every count bounded before SynthConfig sizes anything (1e12 positions would be a
+        # 3.6 TiB position array)
+        check_output(args.out)  # an empty --out would be the working directory
+        SYNTH_POSITIONS.check(args.positions, "--positions")
+        SYNTH_SEQUENCES.check(args.sequences, "--sequences")
+        if args.layers is not None:
+            SYNTH_LAYERS.check(args.layers, "--layers")
+        for opt in ("decode", "window", "h2o_queries"):
+            SYNTH_POSITIONS.check(getattr(args, opt), "--" + opt.replace("_", "-"))
+        SEED_VALUE.check(args.seed, "--seed")  # like every seed; 1e30 overflowed a C long
         cfg = SynthConfig(positions=args.positions, shape=args.shape, layers=args.layers,
                           sequences=args.sequences, decode=args.decode, window=args.window,
                           h2o_queries=args.h2o_queries, dtype=args.dtype,

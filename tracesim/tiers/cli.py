@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 __all__ = ["register", "run_tiers_command"]
 
@@ -64,7 +63,12 @@ def run_tiers_command(args: argparse.Namespace) -> int:
         return _fail("no trace store: give STORE or set 'store' in the spec")
     if not 1 <= args.workers <= 256:
         return _fail(f"--workers {args.workers}: expected an int in [1, 256]")
-    out = Path(args.out)
+    from tracesim.outpaths import check_output
+
+    try:
+        out = check_output(args.out, [("trace store", store_path), ("tiers spec", args.spec)])
+    except ValueError as exc:
+        return _fail(str(exc))
     if out.exists() and not out.is_dir():
         return _fail(f"--out {out}: exists and is not a directory")
     try:

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 __all__ = ["DEFAULT_TIERS", "TierError", "Tier", "MemoryModel", "load_memory_model",
            "memory_model_from_dict"]
@@ -249,6 +248,10 @@ def memory_model_from_dict(doc: Any, where: str = "tiers.yaml") -> MemoryModel:
 
 
 def load_memory_model(path: str | Path) -> MemoryModel:
-    """Read the ``memory`` section of a tiers spec file (YAML, read with ``safe_load``)."""
-    doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    """Read the ``memory`` section of a tiers spec file (:func:`tracesim.safeio.read_yaml`)."""
+    from tracesim.safeio import read_yaml
+
+    doc = read_yaml(path, "tiers spec", error=TierError)
+    if doc is not None and not isinstance(doc, dict):
+        raise TierError(f"{path}: expected a mapping with 'memory' at the top level")
     return memory_model_from_dict((doc or {}).get("memory"), f"{path}: memory")

@@ -1,5 +1,5 @@
-"""``tiers.yaml``: what ``tracesim tiers`` simulates (read with ``yaml.safe_load``; nothing in it
-is executed or imported).
+"""``tiers.yaml``: what ``tracesim tiers`` simulates (read with
+:func:`tracesim.safeio.read_yaml`; nothing in it is executed or imported).
 
 .. code-block:: yaml
 
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from tracesim.counts import LAYER_INDEX, LAYERS, SEED_VALUE, SEQUENCES, TIERS_SEEDS, Count
 from tracesim.policies import Policy
 from tracesim.sweep.grid import parse_grid
 from tracesim.tiers.model import MemoryModel, TierError, memory_model_from_dict
@@ -42,7 +42,7 @@ from tracesim.tiers.schedulers import SCHEDULERS
 
 __all__ = ["MAX_SEEDS", "TiersSpec", "load_tiers_spec", "parse_tiers_spec"]
 
-MAX_SEEDS = 4096
+MAX_SEEDS = TIERS_SEEDS.hi  # in either spelling: an int n or a list of n distinct seeds
 _KEYS = {"store", "grid", "seeds", "layers", "sequences", "schedulers", "fetch_budgets",
          "memory", "version", "name"}
 _TIER_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
@@ -71,9 +71,10 @@ class TiersSpec:
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _int_list(value: Any, where: str, lo: int, hi: int) -> tuple[int, ...]:
+def _int_list(value: Any, where: str, lo: int, hi: int, count: Count) -> tuple[int, ...]:
     if isinstance(value, bool) or not isinstance(value, list) or not value:
         raise TierError(f"{where}: expected a non-empty list of ints")
+    count.check_items(value, where, TierError)  # length before the items are looked at
     out = []
     for i, v in enumerate(value):
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -109,13 +110,17 @@ def parse_tiers_spec(doc: Any, source: str = "<dict>") -> TiersSpec:
             raise TierError(f"{source}: seeds = {seeds}: expected an int in [1, {MAX_SEEDS}]")
         seed_t = tuple(range(seeds))
     else:
-        seed_t = _int_list(seeds, f"{source}: seeds", 0, 2**32 - 1)
+        seed_t = _int_list(seeds, f"{source}: seeds", 0, SEED_VALUE.hi, TIERS_SEEDS)
     layers = doc.get("layers", "all")
-    layer_t = None if layers == "all" else _int_list(layers, f"{source}: layers", 0, 100_000)
+    layer_t = None if layers == "all" else _int_list(layers, f"{source}: layers", 0,
+                                                     LAYER_INDEX.hi, LAYERS)
     seqs = doc.get("sequences")
-    if seqs is not None and (not isinstance(seqs, list) or not all(isinstance(s, str)
-                                                                   for s in seqs) or not seqs):
+    if seqs is not None and (not isinstance(seqs, list) or not seqs):
         raise TierError(f"{source}: sequences: expected a non-empty list of sequence ids")
+    if seqs is not None:
+        SEQUENCES.check_items(seqs, f"{source}: sequences", TierError)
+        if not all(isinstance(s, str) for s in seqs):
+            raise TierError(f"{source}: sequences: expected a non-empty list of sequence ids")
     scheds = doc.get("schedulers", list(SCHEDULERS))
     if not isinstance(scheds, list) or not scheds:
         raise TierError(f"{source}: schedulers: expected a non-empty list")
@@ -129,8 +134,9 @@ def parse_tiers_spec(doc: Any, source: str = "<dict>") -> TiersSpec:
             raise TierError(f"{source}: schedulers: 'certificate' needs certified base "
                             f"policies (randomized design, Hájek); not: {uncertified[:3]}")
     fb = doc.get("fetch_budgets", [0.0, 0.05, 0.1, 0.25, 1.0])
-    if not isinstance(fb, list) or not fb:
-        raise TierError(f"{source}: fetch_budgets: expected a non-empty list of fractions")
+    if not isinstance(fb, list) or not fb or len(fb) > 1000:
+        raise TierError(f"{source}: fetch_budgets: expected a non-empty list of at most 1000 "
+                        "fractions")
     for i, f in enumerate(fb):
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise TierError(f"{source}: fetch_budgets[{i}] = {f!r}: expected a fraction in "
@@ -151,17 +157,14 @@ def parse_tiers_spec(doc: Any, source: str = "<dict>") -> TiersSpec:
 
 def load_tiers_spec(path: str | Path) -> TiersSpec:
     """Read and validate a tiers spec file; a relative ``store`` is resolved against it."""
+    from tracesim.safeio import read_yaml
+
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise TierError(f"{path}: not UTF-8 text") from None
+        doc = read_yaml(path, "tiers spec", error=TierError)
     except OSError as exc:
-        raise TierError(f"{path}: cannot read the spec ({exc.strerror})") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise TierError(f"{path}: not valid YAML ({exc})") from None
+        raise TierError(f"{path}: cannot read the spec ({exc.strerror}), expected a YAML "
+                        "file") from None
     spec = parse_tiers_spec(doc, str(path))
     if spec.store is not None and not Path(spec.store).is_absolute():
         spec = TiersSpec(**{**spec.__dict__, "store": str((path.parent / spec.store).resolve())})
