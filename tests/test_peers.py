@@ -174,3 +174,28 @@ def test_replay_peers_rows_and_reproducibility(tmp_path):
     assert len(df) == 4 * n_steps * (2 + 2 + 1)  # heads x steps x (seeds, Quest once)
     assert df.wald_cov[df.peer == "quest"].isna().all()
     assert df.wald_cov[df.peer != "quest"].between(0, 1).all()
+
+
+def test_peers_cli_writes_results_and_refuses_bad_input(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from tracesim.cli import main
+
+    store = build_store(tmp_path / "s", n_seqs=1, n_layers=2)
+    out = tmp_path / "out"
+    argv = ["peers", str(store), "--peer", "quest,vattention", "--seeds", "2", "--layers",
+            "1", "--params", '{"vattention": {"sinks": 4, "local": 8, "heavy": 4}}', "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    first = (out / "peers.parquet").read_bytes()
+    df = pq.read_table(out / "peers.parquet").to_pandas()
+    assert set(df.peer) == {"quest", "vattention"} and set(df.layer) == {1}
+    for bad, field in ((["--out", str(out)], "exists"), (["--out", ""], "--out"),
+                       (["--out", str(store / "x")], "trace store"),
+                       (["--params", "[1]", "--out", str(tmp_path / "o2")], "--params"),
+                       (["--layers", "7", "--out", str(tmp_path / "o3")], "--layers"),
+                       (["--seeds", "0", "--out", str(tmp_path / "o4")], "--seeds")):
+        capsys.readouterr()
+        assert main([*argv, *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert field in err and "expected" in err and "Traceback" not in err
+    assert (out / "peers.parquet").read_bytes() == first

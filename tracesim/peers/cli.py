@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 __all__ = ["register", "run_peers"]
 
@@ -61,13 +60,17 @@ def run_peers(args: argparse.Namespace) -> int:
     import pyarrow.parquet as pq
 
     from tracesim.atomic import atomic_output
+    from tracesim.errors import UsageError
+    from tracesim.outpaths import check_output
     from tracesim.peers import make_peer, replay_peers
+    from tracesim.safeio import loads_json
     from tracesim.store import StoreError, open_store
 
     try:
         if not 1 <= args.seeds <= 4096:
             raise ValueError(f"--seeds {args.seeds}: expected an integer in [1, 4096]")
-        params = json.loads(args.params)
+        out = check_output(args.out, [("trace store", args.traces)])
+        params = loads_json(args.params, "--params")
         if not isinstance(params, dict) or not all(isinstance(v, dict)
                                                    for v in params.values()):
             raise ValueError("--params: expected a JSON mapping {peer: {parameter: value}}")
@@ -80,18 +83,12 @@ def run_peers(args: argparse.Namespace) -> int:
             raise ValueError("--peer: expected at least one peer")
         store = open_store(args.traces)
         layers = _layers(args.layers, store.model.n_layers)
-        out = Path(args.out)
-        if not str(args.out).strip():
-            raise ValueError("--out: expected a directory path, got an empty string")
         if (out / "peers.parquet").exists() and not args.overwrite:
             raise ValueError(f"{out / 'peers.parquet'} exists; expected a new --out or "
                              "--overwrite")
         table = replay_peers(store, peers, range(args.seeds), layers=layers,
                              progress=not args.quiet)
-    except json.JSONDecodeError as exc:
-        print(f"tracesim peers: --params: {exc}; expected JSON", file=sys.stderr)
-        return 2
-    except (ValueError, StoreError) as exc:
+    except (ValueError, StoreError, UsageError) as exc:
         print(f"tracesim peers: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
