@@ -9,7 +9,7 @@ from typing import Any
 __all__ = ["CLAIM_IDS", "PreregChangedError", "Preregistration", "check_prereg_hash",
            "load_prereg", "prereg_hash"]
 
-CLAIM_IDS = ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8")
+CLAIM_IDS = ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8", "C9", "C10")
 _REQUIRED = ("hypothesis", "metric", "compare", "test", "verdict")
 _EVENTS = ("wald", "satterthwaite")
 _CERTIFICATES = ("primary", "small_sample")
