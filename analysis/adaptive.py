@@ -6,7 +6,15 @@ proxy at the same budget (the deterministic baseline at equal kept tokens), the 
 tokens per step and the proxy's fast-memory cost. Coverage carries a cluster-robust 95 %
 interval by sequence (the rows of one sequence are not independent).
 
-Usage: ``python -m analysis.adaptive RESULTS_DIR`` (prints the table; ``docs/adaptive.md``).
+With ``--calibration DIR`` it also fits a split-conformal radius per configuration on the
+calibration results and reports its held-out coverage: ``kappa`` is the smallest multiple with
+``|o_hat - o| <= kappa C`` on a 95 % share of calibration rows (the ``ceil((n + 1) 0.95)``-th
+smallest ``|o_hat - o| / C``), ``conf_cov`` the held-out share with ``|o_hat - o| <= kappa C``.
+With ``--prereg`` it evaluates claims C9 (from the results) and C10 (from ``--peers`` output
+of ``tracesim peers``).
+
+Usage: ``python -m analysis.adaptive RESULTS_DIR [--calibration DIR] [--peers DIR ...]
+[--prereg data/prereg.yaml]`` (``docs/adaptive.md``).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import pandas as pd
 
 from analysis.report import load_results
 
-__all__ = ["adaptive_table", "main"]
+__all__ = ["adaptive_table", "conformal_radius", "evaluate_c9", "evaluate_c10", "main"]
 
 
 def _cluster_ci(values: pd.Series, clusters: pd.Series) -> tuple[float, float]:
@@ -71,20 +79,143 @@ def adaptive_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
     return out
 
 
+def _ratio(g: pd.DataFrame) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.sqrt(g["err2"].to_numpy(float) / g["cert2"].to_numpy(float))
+
+
+def conformal_radius(cal: pd.DataFrame, level: float = 0.95) -> dict[str, float]:
+    """Split-conformal radius per certified configuration (see the module docstring)."""
+    out = {}
+    for cid, g in cal[cal["certified"]].groupby("config_id"):
+        r = np.sort(np.where(np.isnan(_ratio(g)), np.inf, _ratio(g)))
+        k = int(np.ceil((r.size + 1) * level)) - 1
+        out[cid] = float(r[min(k, r.size - 1)]) if k < r.size else float("inf")
+    return out
+
+
+def _one_sided(values: pd.Series, clusters: pd.Series, z: float) -> tuple[float, float, float]:
+    m, hw = _cluster_ci(values, clusters)
+    half = hw / 1.96 * z
+    return m, m - half, m + half
+
+
+def _matches(meta: pd.Series, want: dict) -> bool:
+    from tracesim.sweep.grid import parse_schedule
+
+    params = json.loads(meta["score_params"]) if meta["score"] == "perstep" else {}
+    if "schedule" in want:
+        want = {**want, "schedule": parse_schedule(want["schedule"], "compare").label()}
+    checks = {"score": meta["score"], "design": meta["design"], "budget": meta["budget"],
+              "schedule": meta["config_id"].split("|")[4],
+              "correction": meta["correction"], "mixture": meta["mixture"],
+              "top_fraction": meta["top_fraction"], **params}
+    return all(k in checks and checks[k] == v for k, v in want.items())
+
+
+def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
+    """C9 on held-out results: coverage CI against the interval, paired MSE test vs top-k."""
+    from scipy import stats
+
+    first = df.drop_duplicates("config_id")
+    pick = {}
+    for role in ("primary", "baseline"):
+        ids = [r.config_id for _, r in first.iterrows() if _matches(r, claim["compare"][role])]
+        if len(ids) != 1:
+            raise ValueError(f"C9: compare.{role} matches {len(ids)} configurations in the "
+                             "results, expected exactly 1")
+        pick[role] = ids[0]
+    p = df[df.config_id == pick["primary"]]
+    b = df[df.config_id == pick["baseline"]]
+    lo_iv, hi_iv = claim["interval"]
+    z2 = float(stats.norm.ppf(1 - alpha))  # (1 - 2 alpha) two-sided = alpha one-sided each
+    z1 = float(stats.norm.ppf(1 - alpha / 2))
+    cov, lo2, hi2 = _one_sided(p["wald_cov"], p["sequence_id"], z2)
+    _, lo1, hi1 = _one_sided(p["wald_cov"], p["sequence_id"], z1)
+    ratio = np.log(p.groupby("sequence_id")["err2"].mean()
+                   / b.groupby("sequence_id")["err2"].mean())
+    t = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="less")
+    t_gt = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="greater")
+    within = lo_iv <= lo2 and hi2 <= hi_iv
+    outside = hi1 < lo_iv or lo1 > hi_iv
+    if within and t.pvalue < alpha:
+        verdict = "supported"
+    elif outside or t_gt.pvalue < alpha:
+        verdict = "not supported"
+    else:
+        verdict = "inconclusive"
+    return {"claim": "C9", "coverage": cov, "ci_90": (lo2, hi2), "ci_95": (lo1, hi1),
+            "sequences": int(p.sequence_id.nunique()), "rows": len(p),
+            "mse_ratio_geomean": float(np.exp(ratio.mean())), "mse_p": float(t.pvalue),
+            "verdict": verdict, "primary": pick["primary"], "baseline": pick["baseline"]}
+
+
+def evaluate_c10(peers: pd.DataFrame, claim: dict, alpha: float) -> dict:
+    """C10: per configuration, the violation rate of vAttention's bound with a one-sided
+    cluster-robust bound, against its nominal delta."""
+    from scipy import stats
+
+    z = float(stats.norm.ppf(1 - alpha))
+    rows, verdicts = [], []
+    for want in claim["compare"]:
+        label = ("vattention(" + ",".join(f"{k}={want[k]:g}" for k in (
+            "sinks", "local", "heavy", "base_rate", "epsilon", "delta")) + ")")
+        g = peers[peers.config_id == label]
+        if g.empty:
+            raise ValueError(f"C10: no rows of {label} in the peers results")
+        viol = 1.0 - g["peer_bound_ok"]
+        rate, lo, hi = _one_sided(viol, g["sequence_id"], z)
+        delta = float(want["delta"])
+        verdicts.append("supported" if hi <= delta else
+                        "not supported" if lo > delta else "inconclusive")
+        rows.append({"config": label, "violation_rate": rate, "one_sided_bounds": (lo, hi),
+                     "delta": delta, "rows": len(g), "sequences": int(g.sequence_id.nunique()),
+                     "den_violation_rate": float(1.0 - g["peer_den_ok"].mean()),
+                     "kept_tokens": float(g["kept_tokens"].mean())})
+    verdict = ("not supported" if "not supported" in verdicts else
+               "supported" if all(v == "supported" for v in verdicts) else "inconclusive")
+    return {"claim": "C10", "configs": rows, "verdict": verdict}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m analysis.adaptive", description=__doc__
                                  .splitlines()[0])
     ap.add_argument("results", help="a replay or sweep output directory")
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--calibration", default=None,
+                    help="results whose rows fit the conformal radius (another set of sequences)")
+    ap.add_argument("--peers", nargs="*", default=[], help="tracesim peers output directories")
+    ap.add_argument("--prereg", default=None, help="evaluate C9 and C10 of this file")
     args = ap.parse_args(argv)
     try:
         df, _ = load_results(Path(args.results))
         table = adaptive_table(df, args.head_dim)
+        if args.calibration:
+            cal, _ = load_results(Path(args.calibration))
+            radius = conformal_radius(cal)
+            table["kappa"] = [radius.get(c, np.nan) for c in df.drop_duplicates(
+                "config_id")["config_id"]]
+            cover = {c: float(np.mean(_ratio(g) <= radius[c])) for c, g in
+                     df[df["certified"]].groupby("config_id") if c in radius}
+            table["conf_cov"] = [cover.get(c, np.nan) for c in df.drop_duplicates(
+                "config_id")["config_id"]]
+        claims = []
+        if args.prereg:
+            from analysis.prereg import load_prereg
+
+            pre = load_prereg(args.prereg)
+            claims.append(evaluate_c9(df, pre.claims["C9"], pre.claim_alpha("C9")))
+            if args.peers:
+                peers = pd.concat([pd.read_parquet(Path(d) / "peers.parquet")
+                                   for d in args.peers])
+                claims.append(evaluate_c10(peers, pre.claims["C10"], pre.claim_alpha("C10")))
     except (ValueError, OSError, KeyError) as exc:
         print(f"python -m analysis.adaptive: {exc}", file=sys.stderr)
         return 2
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
+    with pd.option_context("display.width", 250, "display.max_columns", 30):
         print(table.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    for c in claims:
+        print(json.dumps(c, indent=1, default=float))
     return 0
 
 

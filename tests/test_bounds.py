@@ -320,7 +320,7 @@ def test_spec_grid_and_cli_take_summary_page(tmp_path, capsys):
         parse_grid({"score": "snapkv", "design": "topk", "budget": 0.25,
                     "summary_page": [8, -1]})
     code = main(["replay", str(SAMPLE), "--summary-page", "-4", "--out", str(tmp_path)])
-    assert code == 2 and "--summary-page -4" in capsys.readouterr().err
+    assert code == 2 and "--summary-page: -4" in capsys.readouterr().err
 
 
 def test_impossibility_demo_reports_a_growing_bound():

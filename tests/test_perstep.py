@@ -282,3 +282,60 @@ def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
     assert rnd.wald.between(0, 1).all() and rnd.mse_vs_topk.notna().all()
     assert table[table.design == "topk"].wald.isna().all()  # uncertified: no coverage
     assert (table.proxy_bits == [128, 128, 8 * 3, 8 * 3]).all()
+
+
+def _frame(config, n_seq, cov, err2, cert2=1.0, rng=None, **meta):
+    rows = []
+    for s in range(n_seq):
+        for r in range(50):
+            rows.append({"config_id": config, "sequence_id": f"s{s}",
+                         "wald_cov": (float(r < (cov + 0.02 * (s % 2 - 0.5)) * 50)
+                                      if cov is not None else np.nan),
+                         "err2": err2 * rng.exponential(), "cert2": cert2,
+                         "certified": cov is not None, **meta})
+    return rows
+
+
+def test_claims_c9_c10_and_the_conformal_radius_on_constructed_results():
+    import pandas as pd
+
+    from analysis.adaptive import conformal_radius, evaluate_c9, evaluate_c10
+    from analysis.prereg import load_prereg
+    from tracesim.policies import make_policy
+
+    pre = load_prereg("data/prereg.yaml")
+    rng = np.random.default_rng(0)
+    prim = make_policy("perstep", "poisson", 0.25, schedule="step",
+                       design_params={"mixture": 0.1}, score_params={"proxy": "quant:4"})
+    base = make_policy("perstep", "topk", 0.25, schedule="step",
+                       score_params={"proxy": "quant:4"})
+    for cov, ratio, verdict in ((0.95, 0.2, "supported"), (0.80, 0.2, "not supported"),
+                                (0.95, 3.0, "not supported")):
+        rows = (_frame(prim.id, 12, cov, ratio, rng=rng, **{k: prim.row()[k] for k in (
+                    "score", "design", "budget", "correction", "mixture", "top_fraction",
+                    "score_params")})
+                + _frame(base.id, 12, None, 1.0, rng=rng, **{k: base.row()[k] for k in (
+                    "score", "design", "budget", "correction", "mixture", "top_fraction",
+                    "score_params")}))
+        res = evaluate_c9(pd.DataFrame(rows), pre.claims["C9"], pre.claim_alpha("C9"))
+        assert res["verdict"] == verdict, (cov, ratio, res)
+    # C10: violation rates well below and well above delta = 0.25
+    for rate, verdict in ((0.02, "supported"), (0.6, "not supported")):
+        rows = []
+        for want in pre.claims["C10"]["compare"]:
+            label = "vattention(" + ",".join(f"{k}={want[k]:g}" for k in (
+                "sinks", "local", "heavy", "base_rate", "epsilon", "delta")) + ")"
+            for s in range(10):
+                for j in range(100):
+                    rows.append({"config_id": label, "sequence_id": f"s{s}", "kept_tokens": 9,
+                                 "peer_bound_ok": float(j >= rate * 100 + (s % 2)),
+                                 "peer_den_ok": 1.0})
+        res = evaluate_c10(pd.DataFrame(rows), pre.claims["C10"], pre.claim_alpha("C10"))
+        assert res["verdict"] == verdict
+    # conformal radius: the ceil((n + 1) 0.95)-th smallest |err| / C
+    cal = pd.DataFrame({"config_id": "c", "certified": True, "err2": np.arange(1, 20.0) ** 2,
+                        "cert2": 1.0})
+    assert conformal_radius(cal)["c"] == 19.0
+    cal = pd.DataFrame({"config_id": "c", "certified": True, "err2": np.arange(1, 40.0) ** 2,
+                        "cert2": 1.0})
+    assert conformal_radius(cal)["c"] == 38.0
