@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
-from scipy import special
 
 from tracesim.estimators import hajek_attention
 from tracesim.prn import permanent_uniforms, step_stream
@@ -100,6 +99,13 @@ class Peer:
     name: ClassVar[str] = "peer"
     randomized: ClassVar[bool] = True
 
+    def _check_ints(self, lo: int, *fields: str) -> None:
+        """Refuse a field that is not an int >= ``lo``, naming the peer and the field."""
+        for f in fields:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{self.name}: {f} = {v!r}: expected an int >= {lo}")
+
     def label(self) -> str:
         raise NotImplementedError
 
@@ -111,7 +117,3 @@ class Peer:
     def step(self, x: StepInput, state: object, seed: int, z: float) -> dict:
         """The peer's estimate at one step: a dict of result columns (see ``PEER_COLUMNS``)."""
         raise NotImplementedError
-
-
-def normal_quantile(p: float) -> float:
-    return float(special.ndtri(p))

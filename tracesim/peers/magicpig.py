@@ -82,17 +82,11 @@ class MagicPIG(Peer):
     min_collisions: int = 2
 
     def __post_init__(self) -> None:
-        for f in ("bits", "tables", "min_collisions"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"magicpig: {f} = {v!r}: expected an int >= 1")
+        self._check_ints(1, "bits", "tables", "min_collisions")
+        self._check_ints(0, "sinks", "local")
         if self.bits * self.tables > MAX_HASH_BITS:
             raise ValueError(f"magicpig: K * L = {self.bits * self.tables}: expected <= "
                              f"{MAX_HASH_BITS}")
-        for f in ("sinks", "local"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"magicpig: {f} = {v!r}: expected an int >= 0")
 
     def label(self) -> str:
         return (f"magicpig(K={self.bits},L={self.tables},sinks={self.sinks},"

@@ -43,8 +43,7 @@ class Quest(Peer):
     budget: float = 0.25
 
     def __post_init__(self) -> None:
-        if isinstance(self.page, bool) or not isinstance(self.page, int) or self.page < 1:
-            raise ValueError(f"quest: page = {self.page!r}: expected an int >= 1")
+        self._check_ints(1, "page")
         if not (np.isfinite(float(self.budget)) and float(self.budget) > 0):
             raise ValueError(f"quest: budget = {self.budget!r}: expected a fraction in (0, 1] "
                              "or a token count")

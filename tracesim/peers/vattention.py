@@ -87,10 +87,7 @@ class VAttention(Peer):
     delta: float = 0.25
 
     def __post_init__(self) -> None:
-        for f in ("sinks", "local"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"vattention: {f} = {v!r}: expected an int >= 0")
+        self._check_ints(0, "sinks", "local")
         for f, lo, hi in (("heavy", 0.0, 1e9), ("base_rate", 0.0, 1.0), ("epsilon", 0.0, 1e9),
                           ("delta", 0.0, 1.0)):
             v = float(getattr(self, f))
