@@ -184,8 +184,16 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
         meta = dict(seq.meta)
         meta["sequence_id"] = sid
         P = int(meta["prompt_length"])
+        # The store's own capture window: a SnapKV window longer than the default 32 (the
+        # SnapKVPress alias reads 64) needs the prefill to record that many queries again.
+        # (the run of stored query positions ending at the prompt's last position)
+        stored = {int(x) for x in meta["query_positions"] if int(x) < P}
+        window = 0
+        while P - 1 - window in stored:
+            window += 1
+        window = max(window, 1)
         pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
-                               question_start=int(meta["question_start"]),
+                               question_start=int(meta["question_start"]), window=window,
                                scaling=store.model.scaling, layer_certificate=layer_certificate)
         budget = max_new_tokens or len(meta["generated_ids"])
         rows = []

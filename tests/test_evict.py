@@ -279,3 +279,25 @@ def test_evict_sigkill_then_rerun_and_rekeyed_resume(tiny_store, tmp_path):
     assert again["sequences_written"] == 2 and again["n_rows"] == 2 * (3 + 1)
     with DirLock(out), pytest.raises(ValueError, match="another"):
         run_evict(path, policies, seeds=2, out=out, model=str(ckpt), progress=False)
+
+
+def test_evict_prefills_with_the_stores_capture_window(tmp_path, tiny_store):
+    # A store captured with a 40-query window: SnapKV reading 40 window queries runs in the
+    # loop (the prefill used to record the default 32 and refused).
+    from capture.evict_run import run_evict
+    from capture.runner import CaptureConfig, run_capture
+
+    _, loaded = tiny_store
+    out = tmp_path / "w40"
+    run_capture(loaded, ["passkey"], n=1, length=160, out=out, storage_dtype="float32",
+                config=CaptureConfig(window=40, max_new_tokens=4), progress=False)
+    ckpt = tmp_path / "tiny"
+    loaded.model.save_pretrained(ckpt, safe_serialization=True)
+    loaded.tokenizer.save_pretrained(ckpt)
+    pol = make_policy("snapkv", "topk", 0.5, score_params={"window": 40})
+    res = run_evict(out, [pol], seeds=1, out=tmp_path / "o", model=str(ckpt), progress=False)
+    assert res["n_rows"] == 1
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(tmp_path / "o" / "outcomes.parquet").column("config_id")[0].as_py() \
+        == pol.id
