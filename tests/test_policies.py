@@ -157,3 +157,9 @@ def test_policy_ids_rows_and_round_trip():
     assert make_policy("snapkv", "poisson", 512).budget == Budget(512, unit="tokens")
     grid = policy_grid(["snapkv", "full"], ["topk", "poisson"], [0.1, 0.5])
     assert len(grid) == 5 and len({g.id for g in grid}) == 5
+
+
+def test_snapkv_alias_on_a_short_capture_names_the_window_to_capture_with(trace):
+    # SnapKVPress reads 64 window queries; the fixture stores 8: the message says --window 64.
+    with pytest.raises(ValueError, match="tracesim capture --window 64"):
+        make_score("SnapKVPress").scores(trace, 1, trace.prompt_length)

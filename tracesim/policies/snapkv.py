@@ -47,7 +47,8 @@ def positions_indices(trace: LayerTrace, lo: int, hi: int, who: str) -> np.ndarr
         raise ValueError(
             f"{who}: sequence {trace.sequence_id!r} does not store the queries at positions "
             f"[{max(0, lo)}, {hi}) ({missing.size} missing, first {int(missing[0])}); capture "
-            "with a window at least this long, lower `window`, or use window_source='question'")
+            f"with `tracesim capture --window {hi - max(0, lo)}` (or longer), lower `window`, "
+            "or use window_source='question'")
     return idx
 
 
