@@ -187,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", nargs="*", default=[], help="tracesim peers output directories")
     ap.add_argument("--prereg", default=None, help="evaluate C9 and C10 of this file")
     args = ap.parse_args(argv)
+    from analysis.adaptive_costs import cost_columns
+
     try:
         df, _ = load_results(Path(args.results))
-        table = adaptive_table(df, args.head_dim)
+        table = cost_columns(adaptive_table(df, args.head_dim), df, args.head_dim)
         if args.calibration:
             cal, _ = load_results(Path(args.calibration))
             radius = conformal_radius(cal)

@@ -339,3 +339,35 @@ def test_claims_c9_c10_and_the_conformal_radius_on_constructed_results():
     cal = pd.DataFrame({"config_id": "c", "certified": True, "err2": np.arange(1, 40.0) ** 2,
                         "cert2": 1.0})
     assert conformal_radius(cal)["c"] == 38.0
+
+
+def test_cost_columns_follow_the_memory_model():
+    import pandas as pd
+
+    from analysis.adaptive import adaptive_table
+    from analysis.adaptive_costs import cost_columns
+    from tracesim.tiers.model import MemoryModel, Tier
+
+    step = make_policy("perstep", "poisson", 0.25, schedule="step",
+                       score_params={"proxy": "quant:4"})
+    pre = make_policy("snapkv", "poisson", 0.25)
+    rows = []
+    for pol, kept in ((step, 100), (pre, 90)):
+        for h in range(4):  # 4 query heads, 2 KV heads (G = 2)
+            rows.append({**pol.row(), "sequence_id": "s", "head": h, "kv_head": h // 2,
+                         "kept_tokens": kept, "n_positions": 400, "wald_cov": 1.0,
+                         "wald_t_cov": 1.0, "err2": 1.0, "cert2": 1.0})
+    df = pd.DataFrame(rows)
+    model = MemoryModel(lower=(Tier("dram", bandwidth_gbps=1.0, latency_us=2.0,
+                                    capacity_gb=1.0, queue_depth=4),))
+    t = cost_columns(adaptive_table(df, 8), df, head_dim=8, model=model).set_index("score")
+    b = 2 * 8 * 2  # bytes of one token of one KV head (fp16 K and V)
+    rows_read = (100 - 4 - 32 - 1) * 2
+    assert t.loc["perstep", "read_rows"] == rows_read
+    assert t.loc["perstep", "hbm_kib"] == pytest.approx((36 * b + 400 * 8 * 5 / 8) * 2 / 1024)
+    assert t.loc["snapkv", "hbm_kib"] == pytest.approx(90 * b * 2 / 1024)
+    assert t.loc["snapkv", "read_rows"] == 0 and t.loc["snapkv", "step_us"] == 0
+    waves = -(-rows_read // 4)
+    assert t.loc["perstep", "step_us"] == pytest.approx(waves * 2.0 + rows_read * b / 1e3)
+    partial = 2 * (2 * 8 + 3) * 4 * 2
+    assert t.loc["perstep", "step_us_partial"] == pytest.approx(1 * 2.0 + partial / 1e3)
