@@ -177,6 +177,25 @@ def evaluate_c10(peers: pd.DataFrame, claim: dict, alpha: float) -> dict:
     return {"claim": "C10", "configs": rows, "verdict": verdict}
 
 
+def c9_claim(df: pd.DataFrame, prereg):
+    """C9 as a row of the report's claims table (``not evaluated`` without per-step rows)."""
+    from analysis.claims import ClaimResult
+
+    claim = prereg.claims["C9"]
+    if df.empty or "score" not in df or not (df["score"] == "perstep").any():
+        return ClaimResult("C9", claim["hypothesis"], detail="no per-step results given")
+    try:
+        r = evaluate_c9(df, claim, prereg.claim_alpha("C9"))
+    except ValueError as exc:
+        return ClaimResult("C9", claim["hypothesis"], detail=str(exc))
+    return ClaimResult("C9", claim["hypothesis"], estimate=r["coverage"],
+                       ci_low=r["ci_90"][0], ci_high=r["ci_90"][1], pvalue=r["mse_p"],
+                       verdict=r["verdict"],
+                       detail=(f"held-out Wald coverage, 90 % CI by sequence ({r['sequences']} "
+                               f"sequences, {r['rows']} rows); MSE / per-query top-k "
+                               f"{r['mse_ratio_geomean']:.3g} (geometric mean over sequences)"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m analysis.adaptive", description=__doc__
                                  .splitlines()[0])

@@ -206,11 +206,16 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         for cid in ("C3", "C4", "C6"):
             claims[cid] = ClaimResult(cid, prereg.claims[cid]["hypothesis"],
                                       detail="no in-loop outcomes given")
+    claims["C9"] = _c9(res_df, prereg, report)
+    claims["C10"] = ClaimResult("C10", prereg.claims["C10"]["hypothesis"],
+                                detail="evaluated from `tracesim peers` output by "
+                                "`python -m analysis.adaptive RESULTS --prereg PREREG --peers "
+                                "DIR...` (docs/adaptive.md)")
     if not fetch_df.empty:
         _add_fetch(report, fetch_df, out_df)
     if tiers_dir is not None:
         _add_tiers(report, tiers_dir)
-    report.claims = [claims[c] for c in sorted(claims)]
+    report.claims = [claims[c] for c in sorted(claims, key=lambda c: int(c[1:]))]
     adjusted = holm({c.claim: c.pvalue for c in report.claims}, alpha=prereg.alpha)
     for c in report.claims:
         if c.claim in adjusted:
@@ -221,6 +226,17 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                 c.detail += (f"; significant alone (p = {c.pvalue:.3g}) but not after Holm "
                              f"(p = {c.adjusted_pvalue:.3g})")
     return report
+
+
+def _c9(res_df: pd.DataFrame, prereg: Preregistration, report: Report) -> ClaimResult:
+    """C9 (per-step designs); their table in the report when the results hold any."""
+    from analysis.adaptive import adaptive_table, c9_claim
+
+    if not res_df.empty and "score" in res_df and (res_df["score"] == "perstep").any():
+        table = adaptive_table(res_df, report.provenance.head_dim or 64)
+        report.tables["per-step designs"] = table.to_string(
+            index=False, float_format=lambda x: f"{x:.4g}")
+    return c9_claim(res_df, prereg)
 
 
 def _c8(res_df: pd.DataFrame, prereg: Preregistration, results_dir, frontier_dir,
