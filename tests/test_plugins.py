@@ -184,9 +184,10 @@ def test_compression_ratio_and_aliases_in_specs(store, tmp_path):
     spec = parse_spec(doc)
     budgets = sorted({p.budget.value for p in spec.policies})
     assert budgets == [0.25, 0.5]
-    assert {p.score.name for p in spec.policies} == {"h2o", "streaming", "keydiff"}
-    h2o = next(p for p in spec.policies if p.score.name == "h2o")
-    assert h2o.score.normalize is True and h2o.score.window == 0
+    assert {p.score.name for p in spec.policies} == {"ObservedAttentionPress",
+                                                      "StreamingLLMPress", "keydiff"}
+    h2o = next(p for p in spec.policies if p.score.name == "ObservedAttentionPress")
+    assert h2o.score.normalize is True and h2o.score.window == 0 and h2o.score.sinks == 0
     doc["grid"]["budget"] = 0.5
     with pytest.raises(SpecError, match="either budget or compression_ratio"):
         parse_spec(doc)

@@ -128,10 +128,11 @@ def budget_warnings(policies: Iterable[Policy],
         stratum = int(p.score.sinks) + int(p.score.window)
         if p.budget.unit == "tokens":
             ctx = shortest
-            nominal = int(p.budget.value) if ctx is None else p.budget.tokens(ctx)
+            nominal = (int(p.budget.value) if ctx is None
+                       else p.score.kept_tokens(p.budget, ctx))
         elif shortest is not None:
             ctx = shortest
-            nominal = p.budget.tokens(ctx)
+            nominal = p.score.kept_tokens(p.budget, ctx)
         else:
             continue
         floor = stratum if ctx is None else min(ctx, stratum)
