@@ -161,6 +161,9 @@ class ModelMeta:
                                  "an object with a string 'rope_type' and JSON scalars")
             object.__setattr__(self, "rope_scaling", dict(rs))
 
+    def __hash__(self) -> int:  # rope_scaling is a dict
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
     @property
     def group_size(self) -> int:
         """Number of query heads sharing one KV head."""
