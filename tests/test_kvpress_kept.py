@@ -343,3 +343,12 @@ def test_press_aliases_with_a_randomized_design():
         take_all = int(policy.score.take_all(trace, 0, 250).sum())
         tail = pi[:, :250].sum(axis=1) - take_all
         np.testing.assert_allclose(tail, int(250 * 0.3) - take_all, rtol=1e-9)
+
+
+def test_score_free_merging_respects_the_press_budget_rule():
+    from tracesim.policies.equivalence import merge_score_free
+
+    ps = [make_policy(n, "bernoulli", 0.25) for n in ("KnormPress", "KeyDiffPress")]
+    ps.append(make_policy("keydiff", "bernoulli", 0.25, score_params={"sinks": 0}))
+    kept, notes = merge_score_free(ps)
+    assert [p.score.name for p in kept] == ["KnormPress", "keydiff"] and len(notes) == 1
