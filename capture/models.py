@@ -270,6 +270,7 @@ def rope_info(model: Any) -> dict[str, Any]:
     scaling = scaling if isinstance(scaling, dict) else {}
     scaling = {str(k): v for k, v in scaling.items()
                if v is None or isinstance(v, (bool, int, float, str))}
+    scaling.pop("rope_theta", None)  # transformers 5 keeps it in rope_parameters
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     scaling.setdefault("rope_type", "default")

@@ -96,3 +96,42 @@ def test_capture_records_the_config_rope_settings():
         "rope_theta": 1e4, "rope_scaling": {"rope_type": "default"}}
     assert rope_info(SimpleNamespace(config=SimpleNamespace())) == {
         "rope_theta": None, "rope_scaling": None}
+
+
+def test_rope_settings_of_a_transformers_config_and_the_inverse_rotation():
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from capture.models import rope_info
+    from tracesim.policies.expected_attention import rope_inv_freq, unrotate
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    for kw in ({"rope_theta": 100000.0}, {"rope_theta": 5e5, "rope_scaling": llama3}):
+        cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=4096,
+                                       **{k: dict(v) if isinstance(v, dict) else v
+                                          for k, v in kw.items()})
+        info = rope_info(SimpleNamespace(config=cfg))
+        assert info["rope_theta"] == kw["rope_theta"]
+        assert info["rope_scaling"] == kw.get("rope_scaling", {"rope_type": "default"})
+        kind = info["rope_scaling"]["rope_type"]
+        if kind == "default":
+            want = 1.0 / kw["rope_theta"] ** (torch.arange(0, 16, 2).double() / 16)
+        else:
+            want, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+        np.testing.assert_allclose(rope_inv_freq(16, info), np.asarray(want, np.float64),
+                                   rtol=1e-6)
+    # unrotate inverts transformers' rotation
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, 5, 16))
+    pos = np.array([0, 3, 17, 400, 1023])
+    inv = rope_inv_freq(16, ROPE)
+    ang = np.concatenate([pos[:, None] * inv, pos[:, None] * inv], axis=1)
+    cos, sin = torch.from_numpy(np.cos(ang))[None], torch.from_numpy(np.sin(ang))[None]
+    rot, _ = apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(q), cos, sin)
+    np.testing.assert_allclose(unrotate(rot.numpy()[0, 0], pos, inv), q[0, 0], atol=1e-12)

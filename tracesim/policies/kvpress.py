@@ -1,10 +1,16 @@
-"""NVIDIA kvpress names: the presses ported as scores, aliases, and the budget convention.
+"""NVIDIA kvpress names: the presses, the rules ported as scores, and the budget convention.
 
-kvpress's registry names resolve to tracesim scores (``make_score("streaming_llm")``, or
-``score: observed_attention`` in a sweep spec); an alias may preset hyperparameters so that the
-score behaves as the press does. kvpress's ``compression_ratio`` is the fraction of the KV pairs
-removed, so ``budget = 1 - compression_ratio`` (see :func:`budget_from_compression_ratio`).
-``docs/kvpress.md`` has the full table, including the presses that cannot be replayed.
+Every kvpress class name (``SnapKVPress``, ``KnormPress``, ...) is a score of its own that keeps
+exactly the press's kept set with the ``topk`` design (:class:`KVPressRules`: kvpress's
+truncated budget ``int(k_len * (1 - compression_ratio))``, the earlier token among equal
+scores, and only the press's own protections); the registry names ``streaming_llm`` and
+``observed_attention`` resolve to ``StreamingLLMPress`` and ``ObservedAttentionPress``. kvpress
+names equal to a tracesim score (``snapkv``, ``tova``, ``knorm``, ``keydiff``, ``lagkv``,
+``cur``, ``expected_attention``, ``random``) are the tracesim scores, with tracesim's
+conventions. kvpress's ``compression_ratio`` is the fraction of the KV pairs removed, so
+``budget = 1 - compression_ratio`` (see :func:`budget_from_compression_ratio`).
+``docs/kvpress.md`` has the full table, the remaining differences and the presses that cannot
+be replayed.
 """
 
 from __future__ import annotations
