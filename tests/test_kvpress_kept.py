@@ -242,14 +242,24 @@ def measure(press: str, L: int, ratio: float) -> list[float]:
 def test_alias_kept_set_equals_the_press_reference(press, L):
     for ratio in RATIOS:
         n_kept = int(L * (1 - ratio))
-        if press == "SnapKVPress" and n_kept < 64:
-            continue  # documented: the window is take-all (kvpress keeps n_kept of it)
         trace, extra = get_trace(L)
         kept = alias_kept(press, trace, ratio)
         for g in range(N_KV):
             ref = ref_kept(ref_scores(press, trace, extra, L, g, ratio), ratio)
             assert kept[g].sum() == n_kept == ref.sum(), (press, L, ratio, g)
             np.testing.assert_array_equal(kept[g], ref, err_msg=f"{press} L={L} r={ratio}")
+
+
+@pytest.mark.parametrize("press", DETERMINISTIC)
+def test_budgets_below_the_protected_tokens(press):
+    # 2 and 1 kept tokens of 250: fewer than the sinks / window / last token kvpress protects
+    # by score; it keeps the earliest protected ones.
+    trace, extra = get_trace(250)
+    for ratio in (0.99, 0.995):
+        kept = alias_kept(press, trace, ratio)
+        for g in range(N_KV):
+            ref = ref_kept(ref_scores(press, trace, extra, 250, g, ratio), ratio)
+            np.testing.assert_array_equal(kept[g], ref, err_msg=f"{press} r={ratio}")
 
 
 def test_budget_is_kvpress_int_truncation():

@@ -76,6 +76,9 @@ class Score:
     ties : {"later", "earlier"}
         Which of two equal scores a deterministic design (``topk``) prefers: the later position
         (tracesim's rule) or the earlier one (the kvpress presses, as ``torch.topk`` on CUDA).
+    truncate_stratum : bool
+        A budget below the take-all stratum keeps only its earliest ``budget`` tokens (the
+        kvpress presses, which protect by score); otherwise the whole stratum is kept.
     """
 
     name: ClassVar[str] = "score"
@@ -86,6 +89,7 @@ class Score:
     transform: ClassVar[str] = ""
     per_step: ClassVar[bool] = False
     ties: ClassVar[str] = "later"
+    truncate_stratum: ClassVar[bool] = False
 
     sinks: int = 4
     window: int = 32

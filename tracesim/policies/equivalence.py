@@ -128,7 +128,7 @@ def budget_warnings(policies: Iterable[Policy],
     groups: dict[tuple[str, int, int], list[str]] = {}
     effective: dict[tuple[str, int, int], tuple[int, int]] = {}
     for p in policies:
-        if not p.score.evicts or p.budget is None:
+        if not p.score.evicts or p.budget is None or p.score.truncate_stratum:
             continue
         stratum = int(p.score.sinks) + int(p.score.window)
         if p.budget.unit == "tokens":

@@ -52,10 +52,13 @@ class KVPressRules:
       are as in tracesim;
     * ties: among equal scores the earlier position is kept (``torch.topk`` on CUDA fills the
       threshold value in index order; on CPU its order is unspecified);
-    * protections: only those of the press itself (no tracesim sinks or window by default).
+    * protections: only those of the press itself (no tracesim sinks or window by default);
+      kvpress protects by giving the largest score, so a budget below the protected tokens
+      keeps the earliest of them (``truncate_stratum``).
     """
 
     ties: ClassVar[str] = "earlier"
+    truncate_stratum: ClassVar[bool] = True
 
     def kept_tokens(self, budget: Any, context: int) -> int:
         if budget.unit == "fraction":

@@ -181,6 +181,13 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
             masks.append(a)
             tails.append(x[~a] if alive is None else x[~a & alive])
         B_e = score.kept_tokens(policy.budget, t) if per_step else B
+        if score.truncate_stratum and B_e < int(masks[0].sum()):
+            # A kvpress press protects by score: below the budget it keeps the earliest
+            # B_e protected tokens (equal top scores, earlier first), not all of them.
+            for g in range(n_kv):
+                cut = np.zeros(t, dtype=bool)
+                cut[np.flatnonzero(masks[g])[:B_e]] = True
+                masks[g] = cut
         tb = max(0, B_e - int(masks[0].sum()))
         alloc = policy.budget.allocate(tails, policy.budget.layer_tail_budget(
             tb, trace.layer, n_layers))
