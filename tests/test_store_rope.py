@@ -66,7 +66,10 @@ def test_store_with_rope_settings_reaches_the_trace(tmp_path):
     assert store.model.rope_theta == 1e5
     trace = load_layer(store, next(iter(store)), 0)
     assert trace.rope == ROPE
-    x = make_score("ExpectedAttentionPress").scores(trace, 0, trace.prompt_length)
+    with pytest.raises(ValueError, match="--all-positions"):
+        make_score("ExpectedAttentionPress").scores(trace, 0, trace.prompt_length)
+    x = make_score("ExpectedAttentionPress", all_positions=False).scores(
+        trace, 0, trace.prompt_length)
     assert np.isfinite(x).all() and (x >= 0).all()
 
 

@@ -214,20 +214,31 @@ class ExpectedAttentionPressScore(KVPressRules, ExpectedAttentionScore):
     store's RoPE settings (``model.json`` ``rope_theta`` / ``rope_scaling``), their mean and
     covariance are rotated by the RoPE matrix averaged over positions ``[end, end +
     n_future_positions)``, and ``softmax(k·mu/√d + kᵀΣk/(2d))`` is averaged over the group and
-    rescaled by ``(x + epsilon) ‖v‖``; the sinks are kept. kvpress takes *every* prompt query
-    after the sinks: the same with stores captured with ``--all-positions``; otherwise the
-    recorded ones. Refuses on stores without the RoPE settings.
+    rescaled by ``(x + epsilon) ‖v‖``; the sinks are kept. Refuses on stores without the RoPE
+    settings.
+
+    Parameters
+    ----------
+    n_future_positions : int, default 512
+        kvpress's averaging range of the RoPE matrix.
+    all_positions : bool, default True
+        kvpress takes *every* query after the sinks: True requires all of them stored (stores
+        captured with ``--all-positions``), else ``ValueError``; False uses the recorded ones
+        (the windows; not kvpress's statistics).
     """
 
     name: ClassVar[str] = "ExpectedAttentionPress"
 
     n_future_positions: int = 512
+    all_positions: bool = True
 
     def validate(self) -> None:
         super().validate()
         if isinstance(self.n_future_positions, bool) or self.n_future_positions < 1:
             raise ValueError(f"ExpectedAttentionPress.n_future_positions = "
                              f"{self.n_future_positions}: expected an int >= 1")
+        if not isinstance(self.all_positions, bool):
+            raise ValueError("ExpectedAttentionPress.all_positions must be a bool")
 
     def scores(self, trace: LayerTrace, kv_head: int, end: int,
                seed: int | None = None) -> np.ndarray:
@@ -244,6 +255,12 @@ class ExpectedAttentionPressScore(KVPressRules, ExpectedAttentionScore):
         if idx.size == 0:
             raise ValueError(f"ExpectedAttentionPress: no stored query in [{lo}, {end}) in "
                              f"sequence {trace.sequence_id!r}")
+        if self.all_positions and idx.size < end - lo:
+            raise ValueError(
+                f"ExpectedAttentionPress: kvpress takes the statistics of every query at "
+                f"positions [{lo}, {end}); sequence {trace.sequence_id!r} stores {idx.size} of "
+                f"them. Capture with `tracesim capture --all-positions`, or pass "
+                "all_positions=False to use the recorded queries (a documented difference)")
         d = trace.keys.shape[2]
         inv = rope_inv_freq(d, trace.rope)
         rot = average_rope(inv, end, self.n_future_positions)
