@@ -9,13 +9,14 @@ counts the higher scores and the equal scores at earlier positions).
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 
 from tests.test_kvpress_scores import ref_cur, ref_keydiff, ref_lagkv
-from tracesim.policies import LayerTrace, make_policy, make_score
+from tracesim.policies import LayerTrace, Policy, make_policy, make_score
 from tracesim.policies.kvpress import (
     KVPRESS_ALIASES,
     KVPRESS_PRESSES,
@@ -334,6 +335,8 @@ def test_aliases_and_names():
     for name, cls in KVPRESS_PRESSES.items():
         s = make_score(name)
         assert type(s) is cls and s.ties == "earlier" and s.label().startswith(name + "(")
+        p = make_policy(name, "topk", 0.25)
+        assert Policy.from_dict(json.loads(p.to_json())) == p and p.row()["score"] == name
     for name in ("snapkv", "tova", "knorm", "keydiff", "lagkv", "streaming", "h2o"):
         assert make_score(name).ties == "later"
 
