@@ -50,8 +50,9 @@ class KVPressRules:
       rounds; a fraction budget ``b`` keeps ``int(k_len * b)`` tokens per KV head (give the
       ratio as ``compression_ratio`` or ``b = 1 - ratio`` for the same float); token budgets
       are as in tracesim;
-    * ties: among equal scores the earlier position is kept (``torch.topk`` on CUDA fills the
-      threshold value in index order; on CPU its order is unspecified);
+    * ties: among equal scores the earlier position is kept (``torch.topk`` leaves the order
+      unspecified; CUDA's kernel takes equal values in index order, torch's CPU one another
+      subset);
     * protections: only those of the press itself (no tracesim sinks or window by default);
       kvpress protects by giving the largest score, so a budget below the protected tokens
       keeps the earliest of them (``truncate_stratum``).
