@@ -365,3 +365,20 @@ def test_score_free_merging_respects_the_press_budget_rule():
     ps.append(make_policy("keydiff", "bernoulli", 0.25, score_params={"sinks": 0}))
     kept, notes = merge_score_free(ps)
     assert [p.score.name for p in kept] == ["KnormPress", "keydiff"] and len(notes) == 1
+
+
+def test_lagkv_press_over_many_lengths():
+    # The sweep: random keys at 300-1300 tokens (tracesim's old alias: mean J 0.70,
+    # min 0.00). The scores are lagkv's (checked against the loop reference in
+    # test_kvpress_scores); the kept set is kvpress's rule on them.
+    rng = np.random.default_rng(5)
+    for L in range(300, 1301, 53):
+        keys = rng.standard_normal((1, L, 8))
+        t = LayerTrace(layer=0, keys=keys, values=rng.standard_normal((1, L, 8)),
+                       queries=keys[:, -1:], h2o=np.zeros((1, L)),
+                       query_positions=np.array([L - 1]), query_roles=["question_window"],
+                       prompt_length=L, question_start=L - 1, scale=8**-0.5)
+        scores = make_score("lagkv").scores(t, 0, L)
+        for ratio in (0.5, 0.75, 0.9):
+            np.testing.assert_array_equal(alias_kept("LagKVPress", t, ratio)[0],
+                                          ref_kept(scores, ratio), err_msg=f"L={L} r={ratio}")
