@@ -114,7 +114,7 @@ def test_plugin_sweep_local_and_dask_identical_then_edit_reruns(installed, store
                       progress=False, warm_up=False)
     assert local.complete and local.tasks["done"] == local.tasks["total"] == 4
     ref = _results(out)
-    assert set(ref["score"]) == {NAME, "streaming"}
+    assert set(ref["score"]) == {NAME, "StreamingLLMPress"}  # streaming_llm is the press
     # The workers computed what the plugin computes in this process.
     spec = parse_spec(_spec(store, out))
     direct = replay(open_store(store), list(spec.policies), seeds=2, progress=False).to_pandas()
