@@ -26,6 +26,7 @@ import torch
 from capture.attention import CaptureState, attention_modules, recording
 from capture.enforce import EvictionState, LayerPlan
 from capture.generate import decode_greedy, prefill
+from capture.models import rope_info
 from capture.prn_torch import permanent_uniforms_torch
 from capture.runner import query_roles
 from capture.tasks import grade
@@ -79,6 +80,8 @@ def prefill_sequence(
     state = CaptureState(P, positions)
     with recording(model, state):
         cache, logits = prefill(model, prompt_ids, state=state, prefill_chunk=prefill_chunk)
+    info = rope_info(model)
+    rope = None if info["rope_theta"] is None else info
     traces = []
     for layer, arrays in enumerate(state.finalize()):
         if arrays.positions.tolist() != positions:
@@ -89,7 +92,7 @@ def prefill_sequence(
             queries=arrays.queries.astype(f64), h2o=arrays.h2o.astype(f64),
             query_positions=np.asarray(positions, dtype=np.int64), query_roles=list(roles),
             prompt_length=P, question_start=int(question_start), scale=float(scaling),
-            outputs=arrays.outputs.astype(f64)))
+            outputs=arrays.outputs.astype(f64), rope=rope))
     n_kv = traces[0].n_kv_heads
     grams = _group_grams(model, n_kv) if layer_certificate else {}
     return Prefill(cache=cache, logits=logits, traces=traces, prompt_length=P, grams=grams)
@@ -136,7 +139,7 @@ def _trace_at(prefill: Prefill, state: EvictionState, layer: int, tau: int) -> L
     return LayerTrace(layer=layer, keys=keys, values=values, queries=queries, h2o=h2o,
                       query_positions=positions.astype(np.int64), query_roles=roles,
                       prompt_length=base.prompt_length, question_start=base.question_start,
-                      scale=base.scale)
+                      scale=base.scale, rope=base.rope)
 
 
 def _uniforms_torch(seed: int, trace: LayerTrace) -> np.ndarray:

@@ -251,6 +251,32 @@ def model_info(model: Any) -> dict[str, Any]:
     )
 
 
+def rope_info(model: Any) -> dict[str, Any]:
+    """The RoPE settings of the model's config (``ModelMeta.rope_theta`` / ``rope_scaling``).
+
+    ``rope_theta`` from ``config.rope_theta`` (or ``config.rope_parameters["rope_theta"]`` in
+    newer transformers); ``rope_scaling`` is the config's scaling dict (``rope_type`` and its
+    factors, JSON scalars only), ``{"rope_type": "default"}`` without scaling. Both ``None``
+    when the config has no RoPE base (not a RoPE model).
+    """
+    cfg = getattr(model, "config", None)
+    params = getattr(cfg, "rope_parameters", None)
+    params = dict(params) if isinstance(params, dict) else {}
+    theta = getattr(cfg, "rope_theta", None) or params.get("rope_theta")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+        return dict(rope_theta=None, rope_scaling=None)
+    scaling = getattr(cfg, "rope_scaling", None) or {
+        k: v for k, v in params.items() if k != "rope_theta"}
+    scaling = scaling if isinstance(scaling, dict) else {}
+    scaling = {str(k): v for k, v in scaling.items()
+               if v is None or isinstance(v, (bool, int, float, str))}
+    scaling.pop("rope_theta", None)  # transformers 5 keeps it in rope_parameters
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.setdefault("rope_type", "default")
+    return dict(rope_theta=float(theta), rope_scaling=scaling)
+
+
 def o_proj_weights(model: Any) -> np.ndarray:
     """Every layer's ``o_proj`` weight, ``(n_layers, hidden_size, n_heads * head_dim)`` float32."""
     with torch.no_grad():

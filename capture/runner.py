@@ -16,7 +16,7 @@ import numpy as np
 
 from capture.attention import CaptureState, LayerArrays, recording
 from capture.generate import greedy_generate
-from capture.models import LoadedModel, load_model, model_info, o_proj_weights
+from capture.models import LoadedModel, load_model, model_info, o_proj_weights, rope_info
 from capture.prompts import PromptSpec, grade_answer, render_prompt
 from capture.tasks import TASKS, TaskPrompt, build_prompt, grade, instance_seed
 
@@ -163,7 +163,8 @@ def model_meta(loaded: LoadedModel, storage_dtype: str) -> Any:
     """The store's ``ModelMeta`` for a loaded model and a storage dtype."""
     from tracesim.store import ModelMeta
 
-    return ModelMeta(model_id=loaded.model_id, dtype=storage_dtype, **model_info(loaded.model))
+    return ModelMeta(model_id=loaded.model_id, dtype=storage_dtype, **model_info(loaded.model),
+                     **rope_info(loaded.model))
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ def model_subset(loaded: LoadedModel, storage_dtype: str, layers: Sequence[int] 
     full = lay == list(range(L)) and kvh == list(range(K))
     meta = ModelMeta(model_id=loaded.model_id, dtype=storage_dtype,
                      **{**info, "n_layers": len(lay), "n_kv_heads": len(kvh),
-                        "n_heads": len(kept["heads"])})
+                        "n_heads": len(kept["heads"])}, **rope_info(loaded.model))
     return Subset(lay, kvh, kept["heads"], meta, None if full else kept)
 
 

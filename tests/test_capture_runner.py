@@ -80,6 +80,10 @@ def test_capture_round_trip(tmp_path, tiny):
     m = store.model
     assert (m.model_id, m.architecture, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim) == (
         "tiny-qwen2", "Qwen2ForCausalLM", 2, 4, 2, 16)
+    # the RoPE settings of the config are recorded (ExpectedAttentionPress rotates back)
+    cfg = tiny.model.config
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    assert m.rope_theta == float(theta) and m.rope_scaling["rope_type"] == "default"
     weights = o_proj_weights(tiny.model)
     for layer in range(m.n_layers):
         np.testing.assert_array_equal(store.o_proj(layer), weights[layer])

@@ -161,5 +161,6 @@ def test_ported_scores_replay_with_every_design():
     policies.append(make_policy("observed_attention", "poisson", 0.3))
     res = replay_layer(t, policies, np.arange(3), 1)
     batch = layer_batch(res, per_seed=False).to_pandas()
-    assert set(batch["score"]) == {"keydiff", "lagkv", "cur", "expected_attention", "h2o"}
+    assert set(batch["score"]) == {"keydiff", "lagkv", "cur", "expected_attention",
+                                   "ObservedAttentionPress"}
     assert np.isfinite(batch["err2"]).all()

@@ -114,7 +114,7 @@ def test_plugin_sweep_local_and_dask_identical_then_edit_reruns(installed, store
                       progress=False, warm_up=False)
     assert local.complete and local.tasks["done"] == local.tasks["total"] == 4
     ref = _results(out)
-    assert set(ref["score"]) == {NAME, "streaming"}
+    assert set(ref["score"]) == {NAME, "StreamingLLMPress"}  # streaming_llm is the press
     # The workers computed what the plugin computes in this process.
     spec = parse_spec(_spec(store, out))
     direct = replay(open_store(store), list(spec.policies), seeds=2, progress=False).to_pandas()
@@ -184,9 +184,10 @@ def test_compression_ratio_and_aliases_in_specs(store, tmp_path):
     spec = parse_spec(doc)
     budgets = sorted({p.budget.value for p in spec.policies})
     assert budgets == [0.25, 0.5]
-    assert {p.score.name for p in spec.policies} == {"h2o", "streaming", "keydiff"}
-    h2o = next(p for p in spec.policies if p.score.name == "h2o")
-    assert h2o.score.normalize is True and h2o.score.window == 0
+    assert {p.score.name for p in spec.policies} == {"ObservedAttentionPress",
+                                                      "StreamingLLMPress", "keydiff"}
+    h2o = next(p for p in spec.policies if p.score.name == "ObservedAttentionPress")
+    assert h2o.score.normalize is True and h2o.score.window == 0 and h2o.score.sinks == 0
     doc["grid"]["budget"] = 0.5
     with pytest.raises(SpecError, match="either budget or compression_ratio"):
         parse_spec(doc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -31,7 +32,12 @@ def trace():
 @pytest.mark.parametrize("name", sorted(SCORES))
 def test_every_score_is_nonnegative_and_works_with_every_design(trace, name):
     # The synthetic trace records observation windows of 8 queries (as a capture with w = 8).
-    score = make_score(name, **({"window": 8} if name == "snapkv" else {}))
+    score = make_score(name, **({"window": 8} if name in ("snapkv", "SnapKVPress") else
+                                {"all_positions": False} if name == "ExpectedAttentionPress"
+                                else {}))
+    if name == "ExpectedAttentionPress":  # needs the store's RoPE settings
+        trace = dataclasses.replace(trace, rope={"rope_theta": 1e4, "rope_scaling": {
+            "rope_type": "default"}}, _attention_cache={})
     end = trace.prompt_length
     seed = 3 if score.seed_dependent else None
     x = score.scores(trace, 1, end, seed)

@@ -16,6 +16,10 @@ score          rule                                                  non-negativ
 ``full``       no eviction (the reference)                           —
 =============  ====================================================  ======================
 
+The kvpress ports (``keydiff``, ``lagkv``, ``cur``, ``expected_attention``) and the kvpress
+presses by class name (``SnapKVPress``, ``KnormPress``, ...: kvpress's own kept set, with its
+truncated budget and earlier-token ties) are in :mod:`tracesim.policies.kvpress`.
+
 Build policies with :func:`make_policy` (or :class:`Policy` directly) and grids with
 :func:`policy_grid`.
 """

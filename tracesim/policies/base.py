@@ -73,6 +73,12 @@ class Score:
     per_step : bool
         The score reads the query of the step it is evaluated at (per-step designs, schedule
         ``step``); every other score is computed at eviction events from what exists then.
+    ties : {"later", "earlier"}
+        Which of two equal scores a deterministic design (``topk``) prefers: the later position
+        (tracesim's rule) or the earlier one (the kvpress presses, as ``torch.topk`` on CUDA).
+    truncate_stratum : bool
+        A budget below the take-all stratum keeps only its earliest ``budget`` tokens (the
+        kvpress presses, which protect by score); otherwise the whole stratum is kept.
     """
 
     name: ClassVar[str] = "score"
@@ -82,6 +88,8 @@ class Score:
     deployable: ClassVar[bool] = True
     transform: ClassVar[str] = ""
     per_step: ClassVar[bool] = False
+    ties: ClassVar[str] = "later"
+    truncate_stratum: ClassVar[bool] = False
 
     sinks: int = 4
     window: int = 32
@@ -120,6 +128,14 @@ class Score:
         ``seed`` is given only to seed-dependent scores.
         """
         raise NotImplementedError
+
+    def kept_tokens(self, budget: object, context: int) -> int:
+        """Nominal tokens per (layer, KV head) for a compressible range of ``context`` tokens.
+
+        ``budget.tokens(context)`` (a fraction rounds to the nearest token); the kvpress presses
+        truncate instead (:mod:`tracesim.policies.kvpress`).
+        """
+        return int(budget.tokens(context))  # type: ignore[attr-defined]
 
     # -- identity ----------------------------------------------------------------------------
     def params(self) -> dict[str, object]:

@@ -42,6 +42,9 @@ class LayerTrace:
     sequence_id : str
     meta : dict
         The manifest row (task, correctness, ...), passed through to results.
+    rope : dict, optional
+        The model's RoPE settings, ``{"rope_theta": float, "rope_scaling": dict}`` (from
+        ``model.json``); ``None`` when the store does not record them.
     """
 
     layer: int
@@ -58,6 +61,7 @@ class LayerTrace:
     o_proj: np.ndarray | None = None
     sequence_id: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    rope: dict[str, Any] | None = None
     _attention_cache: dict[tuple[int, int], np.ndarray] = field(
         default_factory=dict, repr=False)
 

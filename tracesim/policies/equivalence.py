@@ -9,6 +9,7 @@ everything else a score decides is equal:
 - the take-all stratum (``sinks``, ``window``; scores overriding ``take_all`` are never merged),
 - ``top_fraction = 0`` (a positive one keeps the top-scored tail tokens),
 - the compressed range (``compress_end``; e.g. question-agnostic SnapKV stops at the question),
+- the budget rule (``kept_tokens``; the kvpress presses truncate where tracesim rounds),
 - the allocator does not read scores (``adakv`` does),
 - the resolved correction (``auto`` gives ``none`` for ``random`` and ``keyformer``).
 
@@ -68,7 +69,11 @@ def effective_key(policy: Policy) -> str:
     if boundary is None:
         return policy.id
     parts = policy.id.split("|")
-    parts[0] = f"any-score(sinks={score.sinks},window={score.window},compress={boundary})"
+    # A score with its own budget rule (the kvpress presses truncate) keeps other token counts.
+    rule = ("" if type(score).kept_tokens is Score.kept_tokens
+            else f",kept={type(score).kept_tokens.__qualname__}")
+    parts[0] = (f"any-score(sinks={score.sinks},window={score.window},compress={boundary}"
+                f"{rule})")
     return "|".join(parts)
 
 
@@ -123,15 +128,16 @@ def budget_warnings(policies: Iterable[Policy],
     groups: dict[tuple[str, int, int], list[str]] = {}
     effective: dict[tuple[str, int, int], tuple[int, int]] = {}
     for p in policies:
-        if not p.score.evicts or p.budget is None:
+        if not p.score.evicts or p.budget is None or p.score.truncate_stratum:
             continue
         stratum = int(p.score.sinks) + int(p.score.window)
         if p.budget.unit == "tokens":
             ctx = shortest
-            nominal = int(p.budget.value) if ctx is None else p.budget.tokens(ctx)
+            nominal = (int(p.budget.value) if ctx is None
+                       else p.score.kept_tokens(p.budget, ctx))
         elif shortest is not None:
             ctx = shortest
-            nominal = p.budget.tokens(ctx)
+            nominal = p.score.kept_tokens(p.budget, ctx)
         else:
             continue
         floor = stratum if ctx is None else min(ctx, stratum)

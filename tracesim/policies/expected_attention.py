@@ -10,7 +10,8 @@ import numpy as np
 from tracesim.policies.base import Score
 from tracesim.policies.context import LayerTrace
 
-__all__ = ["ExpectedAttentionScore", "expected_attention"]
+__all__ = ["ROPE_TYPES", "ExpectedAttentionScore", "average_rope", "expected_attention",
+           "rope_inv_freq", "unrotate"]
 
 
 def expected_attention(keys: np.ndarray, queries: np.ndarray, scale: float,
@@ -92,3 +93,70 @@ class ExpectedAttentionScore(Score):
         out[lo:] = x
         out[:lo] = x.max() + 1.0 if x.size else 1.0
         return out
+
+
+# ----------------------------------------------------------------------------- RoPE (kvpress)
+
+#: RoPE types whose frequencies depend on the model only (not on the sequence length).
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, rope: dict) -> np.ndarray:
+    """RoPE inverse frequencies, shape (head_dim // 2,), from ``{"rope_theta", "rope_scaling"}``
+    (Hugging Face's ``default``, ``linear`` and ``llama3`` rules).
+
+    Raises
+    ------
+    ValueError
+        For another ``rope_type`` (``dynamic``, ``yarn``, ... depend on the sequence length
+        or rescale attention; not supported).
+    """
+    theta = float(rope["rope_theta"])
+    sc = dict(rope.get("rope_scaling") or {})
+    kind = str(sc.get("rope_type", sc.get("type", "default")))
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    if kind == "llama3":
+        factor = float(sc["factor"])
+        lo_f, hi_f = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * np.pi / inv
+        out = np.where(wavelen > old / lo_f, inv / factor, inv)
+        smooth = (old / wavelen - lo_f) / (hi_f - lo_f)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < old / hi_f) & ~(wavelen > old / lo_f)
+        return np.where(medium, smoothed, out)
+    raise ValueError(f"rope_scaling type {kind!r}: expected one of {list(ROPE_TYPES)} (the "
+                     "others depend on the sequence length or rescale attention)")
+
+
+def _cos_sin(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    ang = np.concatenate([ang, ang], axis=1)
+    return np.cos(ang), np.sin(ang)
+
+
+def _rotate_half(x: np.ndarray) -> np.ndarray:
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def unrotate(q: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Pre-RoPE queries from post-RoPE ones, ``q`` shape (n, d) at ``positions`` (n,)."""
+    cos, sin = _cos_sin(inv_freq, positions)
+    return q * cos - _rotate_half(q) * sin
+
+
+def average_rope(inv_freq: np.ndarray, start: int, n: int) -> np.ndarray:
+    """The RoPE matrix averaged over positions ``[start, start + n)``, shape (d, d): row
+    vectors ``x`` rotate as ``x @ R.T``."""
+    cos, sin = _cos_sin(inv_freq, np.arange(start, start + n))
+    d = cos.shape[1]
+    h = d // 2
+    perm = np.zeros((d, d))
+    perm[h:, :h] = np.eye(h)
+    perm[:h, h:] = -np.eye(h)
+    return cos.mean(axis=0)[None, :] * np.eye(d) + sin.mean(axis=0)[None, :] * perm

@@ -63,7 +63,11 @@ class LagKVScore(Score):
 
     def scores(self, trace: LayerTrace, kv_head: int, end: int,
                seed: int | None = None) -> np.ndarray:
-        n_sink, lag = self.sinks, self.lag_size
+        return self.lag_scores(trace, kv_head, end, self.sinks)
+
+    def lag_scores(self, trace: LayerTrace, kv_head: int, end: int, n_sink: int) -> np.ndarray:
+        """The scores with the partitions starting after ``n_sink`` positions (scored 1)."""
+        lag = self.lag_size
         out = np.ones(end)
         if end < n_sink + 2 * lag:
             if end > n_sink:

@@ -32,7 +32,7 @@ def _usable_scores(x: np.ndarray, n: int) -> np.ndarray:
 
 def head_inclusion(scores: np.ndarray, take_all: np.ndarray, design: Design,
                    tail_budget: int, top_fraction: float = 0.0,
-                   alive: np.ndarray | None = None) -> np.ndarray:
+                   alive: np.ndarray | None = None, ties: str = "later") -> np.ndarray:
     """Inclusion probabilities of positions ``[0, end)`` for one KV head at one event.
 
     Parameters
@@ -49,11 +49,21 @@ def head_inclusion(scores: np.ndarray, take_all: np.ndarray, design: Design,
     alive : ndarray of bool, shape (end,), optional
         Tokens still in the cache; evicted ones get ``pi = 0`` and no budget (deterministic
         decode-time eviction).
+    ties : {"later", "earlier"}
+        Which of equal scores a deterministic design and the top-h prefer (the score's
+        ``ties``); randomized designs are not affected.
 
     Returns
     -------
     ndarray of float64, shape (end,)
     """
+    if ties == "earlier" and not design.randomized:
+        # Every rule here is position-symmetric except the tie order: run it on the reversed
+        # positions, so "the later position" becomes the earlier one.
+        return head_inclusion(scores[::-1], take_all[::-1], design, tail_budget, top_fraction,
+                              None if alive is None else alive[::-1])[::-1].copy()
+    if ties not in ("later", "earlier"):
+        raise ValueError(f"ties = {ties!r}: expected 'later' or 'earlier'")
     end = scores.size
     pi = np.ones(end)
     tail = np.flatnonzero(~take_all if alive is None else (~take_all & alive))
@@ -113,7 +123,8 @@ class InclusionTables:
     context : ndarray of int64, shape (n_policies,)
         Compressible range of each policy.
     nominal : ndarray of int64, shape (n_policies,)
-        Nominal tokens per KV head (``budget.tokens(context)``; the context for ``full``).
+        Nominal tokens per KV head (``score.kept_tokens(budget, context)``; the context for
+        ``full``).
     """
 
     pi: np.ndarray
@@ -153,7 +164,7 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
     per_step = policy.schedule.per_step
     L = score.compress_end(trace)
     tau = policy.schedule.event_times(L, trace.prompt_length, int(qpos.max()), qpos)
-    B = policy.budget.tokens(L)
+    B = score.kept_tokens(policy.budget, L)
     # A per-step design redraws from the whole cache at every step: nothing is nested and
     # nothing is gone for good; its budget is a share of the step's own cache [0, t).
     deterministic = not policy.design.randomized and not per_step
@@ -169,14 +180,21 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
             xs.append(x)
             masks.append(a)
             tails.append(x[~a] if alive is None else x[~a & alive])
-        B_e = policy.budget.tokens(t) if per_step else B
+        B_e = score.kept_tokens(policy.budget, t) if per_step else B
+        if score.truncate_stratum and B_e < int(masks[0].sum()):
+            # A kvpress press protects by score: below the budget it keeps the earliest
+            # B_e protected tokens (equal top scores, earlier first), not all of them.
+            for g in range(n_kv):
+                cut = np.zeros(t, dtype=bool)
+                cut[np.flatnonzero(masks[g])[:B_e]] = True
+                masks[g] = cut
         tb = max(0, B_e - int(masks[0].sum()))
         alloc = policy.budget.allocate(tails, policy.budget.layer_tail_budget(
             tb, trace.layer, n_layers))
         for g in range(n_kv):
             alive = raw[:e, g, :t].min(axis=0) > 0 if (deterministic and e > 0) else None
             raw[e, g, :t] = head_inclusion(xs[g], masks[g], policy.design, int(alloc[g]),
-                                           score.top_fraction, alive)
+                                           score.top_fraction, alive, score.ties)
             budgets[e, g] = int(masks[g].sum()) + int(alloc[g])
     return (raw if per_step else nested_inclusion(raw)), tau, budgets
 
@@ -205,7 +223,8 @@ def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray
     for c, policy in enumerate(policies):
         context.append(policy.score.compress_end(trace) if policy.score.evicts
                        else trace.prompt_length)
-        nominal.append(policy.budget.tokens(context[-1]) if policy.score.evicts
+        nominal.append(policy.score.kept_tokens(policy.budget, context[-1])
+                       if policy.score.evicts
                        else context[-1])
         seed_idx = range(len(seeds)) if policy.needs_seeds else range(1)
         per_seed_slot = policy.score.evicts and policy.score.seed_dependent

@@ -38,6 +38,8 @@ MODEL_LIMITS = {"n_layers": 4096, "n_heads": 4096, "n_kv_heads": 4096, "head_dim
                 "hidden_size": 1 << 20}
 #: Largest number of tensors one sequence file may declare (n_layers * (2 n_kv + 3 n_heads)).
 MAX_TENSORS = 1 << 20
+#: model.json fields a store may lack (recorded since the RoPE settings were captured).
+OPTIONAL_MODEL_FIELDS = ("rope_theta", "rope_scaling")
 #: ``scaling`` must lie in (0, MAX_SCALING] (head_dim ** -0.5 is below 1 for every model).
 MAX_SCALING = 16.0
 
@@ -74,6 +76,13 @@ class ModelMeta:
         Softmax scale of the model (usually ``head_dim ** -0.5``).
     dtype : str
         Storage dtype of K/V/Q/O tensors, ``"float16"`` or ``"float32"``.
+    rope_theta : float, optional
+        RoPE base of the model (Hugging Face ``rope_theta``); ``None`` in stores captured before
+        it was recorded (scores that undo RoPE then refuse).
+    rope_scaling : dict, optional
+        RoPE scaling of the model: Hugging Face's ``rope_scaling`` (``rope_type`` and its
+        factors, JSON scalars), ``{"rope_type": "default"}`` for none; ``None`` when not
+        recorded. Both optional fields are written to ``model.json`` only when set.
 
     Raises
     ------
@@ -90,6 +99,8 @@ class ModelMeta:
     hidden_size: int
     scaling: float
     dtype: str
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("model_id", "architecture"):
@@ -128,6 +139,30 @@ class ModelMeta:
             raise StoreError(
                 f"ModelMeta: field 'dtype' is {self.dtype!r}, expected one of {STORAGE_DTYPES}"
             )
+        theta = self.rope_theta
+        if theta is not None:
+            if (not isinstance(theta, (int, float, np.integer, np.floating))
+                    or isinstance(theta, (bool, np.bool_)) or not math.isfinite(float(theta))
+                    or not float(theta) > 1.0):
+                raise StoreError(f"ModelMeta: field 'rope_theta' is {theta!r}, expected null "
+                                 "or a finite float > 1")
+            object.__setattr__(self, "rope_theta", float(theta))
+        rs = self.rope_scaling
+        if rs is not None:
+            ok = (isinstance(rs, dict) and 0 < len(rs) <= 32
+                  and isinstance(rs.get("rope_type", rs.get("type")), str)
+                  and all(isinstance(k, str) and len(k) <= 64 for k in rs)
+                  and all(v is None or isinstance(v, (bool, int, float, str))
+                          and not (isinstance(v, str) and len(v) > 64)
+                          and not (isinstance(v, float) and not math.isfinite(v))
+                          for v in rs.values()))
+            if not ok:
+                raise StoreError(f"ModelMeta: field 'rope_scaling' is {rs!r}, expected null or "
+                                 "an object with a string 'rope_type' and JSON scalars")
+            object.__setattr__(self, "rope_scaling", dict(rs))
+
+    def __hash__(self) -> int:  # rope_scaling is a dict
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     @property
     def group_size(self) -> int:
@@ -139,12 +174,17 @@ class ModelMeta:
         return head // self.group_size
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict of the fields."""
-        return asdict(self)
+        """Plain JSON-able dict of the fields (the optional RoPE fields only when set)."""
+        d = asdict(self)
+        for name in OPTIONAL_MODEL_FIELDS:
+            if d[name] is None:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, data: Any, label: str = MODEL_FILE) -> ModelMeta:
-        """Build from a dict holding exactly the fields (extra keys are ignored).
+        """Build from a dict holding the fields (extra keys are ignored; the optional RoPE
+        fields may be missing, as in stores written before they were recorded).
 
         Raises
         ------
@@ -154,11 +194,11 @@ class ModelMeta:
         if not isinstance(data, dict):
             raise StoreError(f"{label}: expected a JSON object, got {type(data).__name__}")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in data]
+        missing = [n for n in names if n not in data and n not in OPTIONAL_MODEL_FIELDS]
         if missing:
             raise StoreError(f"{label}: missing field(s) {missing}")
         try:
-            return cls(**{n: data[n] for n in names})
+            return cls(**{n: data[n] for n in names if n in data})
         except StoreError as exc:
             raise StoreError(f"{label}: {str(exc).removeprefix('ModelMeta: ')}") from None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -182,10 +183,14 @@ class TraceWriter:
 
     def _resume(self, o_proj: np.ndarray | None) -> None:
         stored, raw = read_model_json(self.path)
+        if stored.rope_theta is None and stored == replace(self.model, rope_theta=None,
+                                                           rope_scaling=None):
+            # A store written before the RoPE settings were recorded stays as it is.
+            self.model = stored
         if stored != self.model:
             diff = [
                 f"field {k!r} is {v!r}, expected {getattr(self.model, k)!r}"
-                for k, v in stored.to_dict().items()
+                for k, v in asdict(stored).items()
                 if v != getattr(self.model, k)
             ]
             raise StoreError(

@@ -97,10 +97,14 @@ def warm_up() -> float:
         return 0.0
     from tracesim.budgets import Budget
     from tracesim.policies import SCORES, make_policy, policy_grid
+    from tracesim.policies.kvpress import KVPRESS_PRESSES
     from tracesim.replay import layer_batch, replay_layer
 
     t0 = time.perf_counter()
-    event_scores = sorted(s for s, cls in SCORES.items() if not cls.per_step)
+    # The kvpress presses share their base scores' kernels (and ExpectedAttentionPress needs
+    # RoPE settings this layer does not have).
+    event_scores = sorted(s for s, cls in SCORES.items()
+                          if not cls.per_step and s not in KVPRESS_PRESSES)
     small = {s: {"window": 4} for s in event_scores if s != "full"}
     policies = policy_grid(event_scores, ["topk", "poisson", "bernoulli", "fixed"], [0.5],
                            score_params=small)
