@@ -235,7 +235,7 @@ def run_adversary(args: argparse.Namespace) -> int:
     try:
         check_output(args.out, [("trace store", args.traces)])
         grid = _check_args(args)
-        store = open_store(args.traces)
+        store = open_store(args.traces, require_rows=True)
         sid = args.sequence or store.sequence_ids[0]
         layer = store.model.n_layers // 2 if args.layer is None else args.layer
         if not 0 <= layer < store.model.n_layers:

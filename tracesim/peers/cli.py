@@ -81,7 +81,7 @@ def run_peers(args: argparse.Namespace) -> int:
         peers = [make_peer(n, **params.get(n, {})) for n in names]
         if not peers:
             raise ValueError("--peer: expected at least one peer")
-        store = open_store(args.traces)
+        store = open_store(args.traces, require_rows=True)
         layers = _layers(args.layers, store.model.n_layers)
         if (out / "peers.parquet").exists() and not args.overwrite:
             raise ValueError(f"{out / 'peers.parquet'} exists; expected a new --out or "

@@ -225,7 +225,7 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         out = _check_args(args)
         policies = build_policies(args)
-        store = open_store(args.traces)
+        store = open_store(args.traces, require_rows=True)
     except (ValueError, StoreError) as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
