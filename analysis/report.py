@@ -57,14 +57,33 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return doc
 
 
-def load_results(directory: str | Path) -> tuple[pd.DataFrame, dict[str, Any] | None]:
-    """The replay results table and its summary from a sweep or replay output directory."""
+def load_results(directory: str | Path, *, trust_unsigned: bool = False,
+                 notes: list[str] | None = None) -> tuple[pd.DataFrame, dict[str, Any] | None]:
+    """The replay results table and its summary from a sweep or replay output directory.
+
+    The table must match what its ``summary.json`` records (row count, sha256, configuration
+    ids) and have unique result keys and the required columns
+    (:func:`tracesim.integrity.verify_results`); otherwise ``UsageError``. Results whose
+    summary records nothing (written before tracesim recorded it) are refused unless
+    ``trust_unsigned``, which appends a warning to ``notes`` instead.
+    """
+    from tracesim.integrity import verify_results
+
     d = Path(directory)
     for name in _RESULT_FILES:
         if (d / name).is_file():
             path = d / name
-            summary = _read_json(path.parent / "summary.json")
-            return pq.read_table(path).to_pandas(), summary
+            summary_path = path.parent / "summary.json"
+            summary = _read_json(summary_path)
+            # ParquetFile, not read_table: a file that is not Parquet is one ValueError
+            with pq.ParquetFile(path) as fh:
+                table = fh.read()
+            found = verify_results(path, table, summary, summary_path,
+                                   configs=path.parent / "configs.json",
+                                   trust_unsigned=trust_unsigned)
+            if notes is not None:
+                notes.extend(found)
+            return table.to_pandas(), summary
     raise ValueError(f"{d}: no results file found (expected one of {list(_RESULT_FILES)})")
 
 
@@ -107,18 +126,23 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                  traces_dir: str | Path | None = None,
                  allow_prereg_change: bool = False,
                  tiers_dir: str | Path | None = None,
-                 frontier_dir: str | Path | None = None) -> Report:
+                 frontier_dir: str | Path | None = None,
+                 trust_unsigned: bool = False) -> Report:
     """Evaluate every claim of the pre-registration on the given results.
 
     ``frontier_dir`` (default ``RESULTS/frontier`` when present) is a ``tracesim frontier``
     output: its tables and figure are included, and its ``validity_rules.json`` is used for C8
     after checking it was fit on calibration sequences only (``ValidityRuleError`` if not).
-    ``tiers_dir`` is a ``tracesim tiers`` output: C7 in bytes and modelled time.
+    ``tiers_dir`` is a ``tracesim tiers`` output: C7 in bytes and modelled time. Results are
+    verified against their summary (:func:`load_results`); ``trust_unsigned`` accepts
+    results whose summary records no hash, with a warning in the report.
     """
     prereg = load_prereg(prereg_path)
     results = summary_r = outcomes = summary_o = None
+    load_notes: list[str] = []
     if results_dir is not None:
-        results, summary_r = load_results(results_dir)
+        results, summary_r = load_results(results_dir, trust_unsigned=trust_unsigned,
+                                          notes=load_notes)
     if outcomes_dir is not None:
         path = Path(outcomes_dir) / "outcomes.parquet"
         if not path.is_file():
@@ -131,6 +155,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
             matches &= check_prereg_hash(prereg, _recorded_hash(summary),
                                          allow_change=allow_prereg_change)
     report = Report(claims=[], prereg=prereg, prereg_matches=matches)
+    report.notes += [f"WARNING: {n}" for n in load_notes]
     report.provenance = collect_provenance(
         results, summary_r, outcomes, summary_o, prereg_sha256=prereg.sha256,
         prereg_name=prereg.path.name, prereg_matches=matches, traces_dir=traces_dir)
