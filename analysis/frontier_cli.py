@@ -218,6 +218,10 @@ def run_frontier(results: str | Path, out: str | Path, *,
     # before anything is computed: the output must not overlap what is read
     out = check_output(out, [("results", results), ("validity rules file", rules_path),
                              ("pre-registration file", prereg_path)])
+    if out.is_dir():  # a directory in the way of one of the files: refuse before the work
+        from tracesim.atomic import check_file_targets
+
+        check_file_targets(out, list(FILES))
     # the rules file is read first: a bad --rules fails before the results are loaded
     given = load_rules(rules_path) if rules_path is not None else None
     df = load_frontier_results(results)
