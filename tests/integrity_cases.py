@@ -141,6 +141,15 @@ def build_inputs(root: Path) -> dict[str, str]:
         d.mkdir()
         (d / name).mkdir()
         out[f"frontier-{name}"] = str(d)
+    sweep = root / "sweep-blocked"  # an earlier sweep whose results/summary.json is a dir
+    (sweep / "results" / "summary.json").mkdir(parents=True)
+    shutil.copyfile(r0 / "replay.parquet", sweep / "results" / "results.parquet")
+    spec = root / "sweep.yaml"
+    spec.write_text(json.dumps({"store": str(store), "layers": [0], "seeds": 2,
+                                "grid": {"score": "snapkv", "design": "topk", "budget": 0.5,
+                                         "score_params": {"snapkv": {"window": 8}}},
+                                "output": str(sweep)}))  # JSON is YAML
+    out["sweep-spec"] = str(spec)
     peers = root / "peers-blocked"
     peers.mkdir()
     (peers / "peers.json").mkdir()
@@ -204,6 +213,10 @@ def output_set_cases(p: dict[str, str]) -> list[Case]:
                "argv": ["frontier", p["replay"], "--out", p[f"frontier-{name}"]],
                "expect": [name, "directory", "expected a regular file"]}
               for name in ("frontier.md", "validity_rules.json")]
+    cases.append({"name": "sweep with results/summary.json a directory",
+                  "argv": ["sweep", p["sweep-spec"], "--no-calibrate", "--no-progress",
+                           "--workers", "1"],
+                  "expect": ["results/summary.json", "directory", "expected a regular file"]})
     cases.append({"name": "peers with peers.json a directory",
                   "argv": ["peers", store, "--peer", "quest", "--seeds", "1", "--layers", "0",
                            "--quiet", "--out", p["peers-blocked"]],

@@ -11,7 +11,13 @@ from typing import Any
 
 import yaml
 
-from tracesim.atomic import DirLock, atomic_files, atomic_write_text, remove_stale_tmp
+from tracesim.atomic import (
+    DirLock,
+    atomic_files,
+    atomic_write_text,
+    check_file_targets,
+    remove_stale_tmp,
+)
 from tracesim.integrity import results_record
 from tracesim.sweep.backends import BACKENDS, Events, run_dask, run_local
 from tracesim.sweep.compact import (
@@ -185,6 +191,8 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = DirLock(out_dir, "sweep")
     try:
+        # a directory in the way of results/ files is refused before hours of tasks
+        check_file_targets(out_dir / "results", ["results.parquet", "summary.json"])
         plan = plan_tasks(spec)
         _prepare(spec, plan, out_dir)
         pending = [t for t in plan.tasks if not task_file_ok(out_dir, t)]
