@@ -163,6 +163,13 @@ def build_inputs(root: Path) -> dict[str, str]:
     for name, forge in (("negative", _negative), ("tenfold", _tenfold),
                         ("after-prompt", _after_prompt), ("huge-keys", _huge_keys)):
         out[name] = str(_store(root / f"store-{name}", forge))
+    tiers = root / "tiers-huge.yaml"  # tiers exponentiates logits in its own kernel
+    tiers.write_text(json.dumps({"store": out["huge-keys"], "seeds": 2, "layers": [0],
+                                 "grid": {"score": "snapkv", "design": "poisson",
+                                          "budget": 0.5,
+                                          "score_params": {"snapkv": {"window": 8}}},
+                                 "schedulers": ["none"], "fetch_budgets": [0.0]}))
+    out["tiers-huge"] = str(tiers)
     # family 7: tampered copies of a real replay output
     t = pq.read_table(r0 / "replay.parquet")
     half = np.arange(t.num_rows) % 2 == 0
@@ -240,6 +247,9 @@ def silent_numbers_cases(p: dict[str, str]) -> list[Case]:
     cases.append({"name": "fp16 keys ~N(0, 2000^2)",
                   "argv": ["replay", p["huge-keys"], *_REPLAY, "--budget", "0.5", "--out",
                            _out(p, "r-huge")],
+                  "expect": ["seq0", "'keys'", "exponent range"]})
+    cases.append({"name": "tiers on fp16 keys ~N(0, 2000^2)",
+                  "argv": ["tiers", "--spec", p["tiers-huge"], "--out", _out(p, "t-huge")],
                   "expect": ["seq0", "'keys'", "exponent range"]})
     return cases
 
