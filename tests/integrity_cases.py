@@ -150,6 +150,10 @@ def build_inputs(root: Path) -> dict[str, str]:
                                          "score_params": {"snapkv": {"window": 8}}},
                                 "output": str(sweep)}))  # JSON is YAML
     out["sweep-spec"] = str(spec)
+    adv = root / "adversary-blocked"
+    adv.mkdir()
+    (adv / "adversary.json").mkdir()
+    out["adversary-blocked"] = str(adv)
     peers = root / "peers-blocked"
     peers.mkdir()
     (peers / "peers.json").mkdir()
@@ -224,6 +228,10 @@ def output_set_cases(p: dict[str, str]) -> list[Case]:
                   "argv": ["sweep", p["sweep-spec"], "--no-calibrate", "--no-progress",
                            "--workers", "1"],
                   "expect": ["results/summary.json", "directory", "expected a regular file"]})
+    cases.append({"name": "adversary with adversary.json a directory",
+                  "argv": ["adversary", store, "--score", "h2o", "--budget", "0.3", "--seeds",
+                           "2", "--layer", "0", "--out", p["adversary-blocked"]],
+                  "expect": ["adversary.json", "directory", "expected a regular file"]})
     cases.append({"name": "peers with peers.json a directory",
                   "argv": ["peers", store, "--peer", "quest", "--seeds", "1", "--layers", "0",
                            "--quiet", "--out", p["peers-blocked"]],

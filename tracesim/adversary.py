@@ -233,7 +233,10 @@ def run_adversary(args: argparse.Namespace) -> int:
     from tracesim.store import StoreError, open_store
 
     try:
-        check_output(args.out, [("trace store", args.traces)])
+        out_dir = check_output(args.out, [("trace store", args.traces)])
+        from tracesim.atomic import check_file_targets
+
+        check_file_targets(out_dir, ["adversary.parquet", "adversary.json"])  # before the work
         grid = _check_args(args)
         store = open_store(args.traces, require_rows=True)
         sid = args.sequence or store.sequence_ids[0]
