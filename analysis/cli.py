@@ -25,7 +25,8 @@ def _command(args: argparse.Namespace) -> int:
         report = build_report(args.results, args.outcomes, prereg_path=args.prereg,
                               adversary_dir=args.adversary, traces_dir=args.traces,
                               allow_prereg_change=args.allow_prereg_change,
-                              tiers_dir=args.tiers, frontier_dir=args.frontier)
+                              tiers_dir=args.tiers, frontier_dir=args.frontier,
+                              trust_unsigned=args.trust_unsigned)
     except (PreregChangedError, ValueError) as exc:
         print(f"tracesim report: {exc}", file=sys.stderr)
         return 2
@@ -69,4 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "present); its validity_rules.json is checked and used for C8")
     p.add_argument("--allow-prereg-change", action="store_true",
                    help="report even if the pre-registration changed after the results")
+    p.add_argument("--trust-unsigned", action="store_true",
+                   help="accept results whose summary.json records no row count and sha256 "
+                   "(written before tracesim recorded them); the report carries a warning. "
+                   "Tampered, duplicated or foreign rows are refused either way")
     p.set_defaults(func=_command)

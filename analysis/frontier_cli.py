@@ -35,7 +35,7 @@ from analysis.validity import (
     save_rules,
     split_sequences,
 )
-from tracesim.atomic import atomic_write_bytes
+from tracesim.atomic import atomic_files
 
 __all__ = ["FILES", "load_frontier_results", "pareto_figure", "register", "render_markdown",
            "run_frontier"]
@@ -65,8 +65,23 @@ def load_frontier_results(path: str | Path) -> pd.DataFrame:
     strings = [c for c in cols if pa.types.is_string(schema.field(c).type)]
     # Dictionary-encoded strings become pandas categoricals: millions of per-seed rows of a
     # few dozen configurations stay small in memory.
-    table = pq.read_table(p, columns=cols, read_dictionary=strings)
-    df = table.to_pandas()
+    from tracesim.integrity import KEY_COLUMNS, verify_results
+
+    summary_path = p.parent / "summary.json"
+    summary = None
+    if summary_path.is_file() or summary_path.is_symlink():
+        from tracesim.safeio import read_json
+
+        summary = read_json(summary_path, "results summary")
+    # the key columns too, so duplicated rows are refused (then dropped again)
+    keys = [c for c in KEY_COLUMNS if c in names and c not in cols]
+    table = pq.read_table(p, columns=cols + keys, read_dictionary=strings)
+    # a results file given alone (no signed summary) is described as it is, with a note
+    for note in verify_results(p, table, summary if isinstance(summary, dict) else None,
+                               summary_path, configs=p.parent / "configs.json",
+                               trust_unsigned=True, required={}):
+        print(f"tracesim frontier: note: {note}", file=sys.stderr)
+    df = table.drop_columns(keys).to_pandas()
     for c in strings:
         if c not in ("sequence_id", "config_id"):
             df[c] = df[c].astype(str)
@@ -203,6 +218,10 @@ def run_frontier(results: str | Path, out: str | Path, *,
     # before anything is computed: the output must not overlap what is read
     out = check_output(out, [("results", results), ("validity rules file", rules_path),
                              ("pre-registration file", prereg_path)])
+    if out.is_dir():  # a directory in the way of one of the files: refuse before the work
+        from tracesim.atomic import check_file_targets
+
+        check_file_targets(out, list(FILES))
     # the rules file is read first: a bad --rules fails before the results are loaded
     given = load_rules(rules_path) if rules_path is not None else None
     df = load_frontier_results(results)
@@ -228,10 +247,11 @@ def run_frontier(results: str | Path, out: str | Path, *,
     out.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), buf)
-    atomic_write_bytes(out / "frontier.parquet", buf.getvalue())
-    atomic_write_bytes(out / "frontier.md", render_markdown(table, notes, rules).encode())
-    atomic_write_bytes(out / "frontier.png", pareto_figure(table))
-    save_rules(out / "validity_rules.json", rules, settings)
+    with atomic_files(out, list(FILES)) as stage:  # the four files or none of them
+        (stage / "frontier.parquet").write_bytes(buf.getvalue())
+        (stage / "frontier.md").write_bytes(render_markdown(table, notes, rules).encode())
+        (stage / "frontier.png").write_bytes(pareto_figure(table))
+        save_rules(stage / "validity_rules.json", rules, settings)
     return table, notes
 
 

@@ -39,34 +39,9 @@ from analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch
 from analysis.multiplicity import holm
 from analysis.prereg import Preregistration, check_prereg_hash, load_prereg
 from analysis.provenance import Provenance, collect_provenance
+from analysis.results_io import _read_json, load_results
 
 __all__ = ["Report", "build_report", "load_results"]
-
-_RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet")
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A results directory's JSON document (bounded reader), None if it is missing."""
-    from tracesim.safeio import read_json
-
-    if not path.exists() and not path.is_symlink():
-        return None
-    doc = read_json(path, "results summary")
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level")
-    return doc
-
-
-def load_results(directory: str | Path) -> tuple[pd.DataFrame, dict[str, Any] | None]:
-    """The replay results table and its summary from a sweep or replay output directory."""
-    d = Path(directory)
-    for name in _RESULT_FILES:
-        if (d / name).is_file():
-            path = d / name
-            summary = _read_json(path.parent / "summary.json")
-            return pq.read_table(path).to_pandas(), summary
-    raise ValueError(f"{d}: no results file found (expected one of {list(_RESULT_FILES)})")
-
 
 def _recorded_hash(summary: dict[str, Any] | None) -> str | None:
     if not summary:
@@ -107,18 +82,23 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                  traces_dir: str | Path | None = None,
                  allow_prereg_change: bool = False,
                  tiers_dir: str | Path | None = None,
-                 frontier_dir: str | Path | None = None) -> Report:
+                 frontier_dir: str | Path | None = None,
+                 trust_unsigned: bool = False) -> Report:
     """Evaluate every claim of the pre-registration on the given results.
 
     ``frontier_dir`` (default ``RESULTS/frontier`` when present) is a ``tracesim frontier``
     output: its tables and figure are included, and its ``validity_rules.json`` is used for C8
     after checking it was fit on calibration sequences only (``ValidityRuleError`` if not).
-    ``tiers_dir`` is a ``tracesim tiers`` output: C7 in bytes and modelled time.
+    ``tiers_dir`` is a ``tracesim tiers`` output: C7 in bytes and modelled time. Results are
+    verified against their summary (:func:`load_results`); ``trust_unsigned`` accepts
+    results whose summary records no hash, with a warning in the report.
     """
     prereg = load_prereg(prereg_path)
     results = summary_r = outcomes = summary_o = None
+    load_notes: list[str] = []
     if results_dir is not None:
-        results, summary_r = load_results(results_dir)
+        results, summary_r = load_results(results_dir, trust_unsigned=trust_unsigned,
+                                          notes=load_notes)
     if outcomes_dir is not None:
         path = Path(outcomes_dir) / "outcomes.parquet"
         if not path.is_file():
@@ -131,6 +111,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
             matches &= check_prereg_hash(prereg, _recorded_hash(summary),
                                          allow_change=allow_prereg_change)
     report = Report(claims=[], prereg=prereg, prereg_matches=matches)
+    report.notes += [f"WARNING: {n}" for n in load_notes]
     report.provenance = collect_provenance(
         results, summary_r, outcomes, summary_o, prereg_sha256=prereg.sha256,
         prereg_name=prereg.path.name, prereg_matches=matches, traces_dir=traces_dir)

@@ -103,6 +103,9 @@ def test_a_rule_fit_on_held_out_sequences_is_refused(results, tmp_path):
     pq.write_table(pa.Table.from_pandas(results), res_dir / "results.parquet")
     (res_dir / "summary.json").write_text(json.dumps({"prereg": {"sha256":
                                                                  prereg_hash(PREREG)}}))
+    from tracesim.integrity import sign_results
+
+    sign_results(res_dir / "results.parquet")
     bad = tmp_path / "frontier"
     bad.mkdir()
     save_rules(bad / "validity_rules.json", {cid: leaked}, SETTINGS)

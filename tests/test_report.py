@@ -13,6 +13,7 @@ from analysis.claims import INCONCLUSIVE, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTE
 from analysis.prereg import PreregChangedError, prereg_hash
 from analysis.report import build_report, write_report
 from tests.replay_fixtures import build_store
+from tracesim.integrity import sign_results
 from tracesim.policies import policy_grid
 from tracesim.replay import replay
 
@@ -31,6 +32,7 @@ def inputs(tmp_path_factory):
     results.mkdir()
     pq.write_table(table, results / "results.parquet")
     (results / "summary.json").write_text(json.dumps({"prereg": {"sha256": prereg_hash(PREREG)}}))
+    sign_results(results / "results.parquet")  # API-written results: record rows and sha256
     (results / "adversary.json").write_text(json.dumps({"rows": [
         {"t": 0.0, "topk_identical": True, "topk_err2": 0.1, "poisson_cert2": 0.2},
         {"t": 100.0, "topk_identical": True, "topk_err2": 50.0, "poisson_cert2": 30.0}]}))

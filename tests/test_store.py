@@ -461,7 +461,8 @@ def test_reading_one_head_keeps_memory_bounded(tmp_path: Path):
     with TraceWriter(tmp_path, model) as writer, writer.sequence("big", **row) as sw:
         n_q = len(row["query_positions"])
         for layer in range(model.n_layers):
-            h2o = np.full((4, n_pos), 1.0, np.float32)
+            h2o = np.zeros((4, n_pos), np.float32)  # valid: one unit per prefill query
+            h2o[:, :n_pos - 8] = 1.0
             sw.add_layer(
                 layer,
                 keys=rng.standard_normal((4, n_pos, 64), np.float32),

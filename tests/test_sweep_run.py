@@ -73,6 +73,16 @@ def test_summary_and_equivalence_with_in_process_replay(env, reference):
     again = run_sweep(env / "spec.yaml", out=env / "ref", progress=False)
     assert again.tasks["skipped"] == 9 and again.tasks["done"] == 0
     pd.testing.assert_frame_equal(results(env / "ref"), reference, check_exact=True)
+    # Both summaries record the results file (rows, sha256, configurations) and the report's
+    # loader accepts what the sweep wrote.
+    from analysis.report import load_results
+
+    ids = sorted(p.id for p in spec.policies)
+    for doc in (summary, json.loads((env / "ref" / "results" / "summary.json").read_text())):
+        assert doc["results_file"] == "results.parquet" and doc["config_ids"] == ids
+        assert doc["results_sha256"] == sha256_file(env / "ref" / "results" / "results.parquet")
+    df, _ = load_results(env / "ref")
+    assert len(df) == len(reference)
 
 
 @pytest.mark.parametrize("backend", ["local", "dask"])

@@ -233,9 +233,12 @@ def run_adversary(args: argparse.Namespace) -> int:
     from tracesim.store import StoreError, open_store
 
     try:
-        check_output(args.out, [("trace store", args.traces)])
+        out_dir = check_output(args.out, [("trace store", args.traces)])
+        from tracesim.atomic import check_file_targets
+
+        check_file_targets(out_dir, ["adversary.parquet", "adversary.json"])  # before the work
         grid = _check_args(args)
-        store = open_store(args.traces)
+        store = open_store(args.traces, require_rows=True)
         sid = args.sequence or store.sequence_ids[0]
         layer = store.model.n_layers // 2 if args.layer is None else args.layer
         if not 0 <= layer < store.model.n_layers:
@@ -257,18 +260,22 @@ def run_adversary(args: argparse.Namespace) -> int:
     except (ValueError, StoreError, KeyError) as exc:
         print(f"tracesim adversary: {exc}", file=sys.stderr)
         return 2
-    from tracesim.atomic import DirLock, atomic_output, atomic_write_text
+    from tracesim.atomic import DirLock, atomic_files
+    from tracesim.errors import UsageError
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lock = DirLock(out, "adversary")
-    with atomic_output(out / "adversary.parquet", unique=True) as fh:
-        pq.write_table(table, fh)
     meta = {"sequence": sid, "layer": layer, "head": args.head, "score": args.score,
             "budget": args.budget, "seeds": args.seeds, "mixture": args.mixture,
             "rows": table.to_pylist()}
-    atomic_write_text(out / "adversary.json", json.dumps(meta, indent=1))
-    lock.release()
+    try:
+        with DirLock(out, "adversary"), atomic_files(
+                out, ["adversary.parquet", "adversary.json"]) as stage:  # both or neither
+            pq.write_table(table, stage / "adversary.parquet")
+            (stage / "adversary.json").write_text(json.dumps(meta, indent=1))
+    except UsageError as exc:
+        print(f"tracesim adversary: {exc}", file=sys.stderr)
+        return 2
     print(f"C0 demo: sequence {sid}, layer {layer}, head {args.head}, {args.score} top-k vs "
           f"Poisson at budget {args.budget:g} ({args.seeds} seeds)")
     print(format_table(table))

@@ -4,6 +4,13 @@ Every writer in tracesim (trace store files and manifest, sweep task files and c
 evict outcome parts) goes through :func:`atomic_output`: write to a temporary sibling, flush and
 fsync it, rename it over the target, fsync the directory. On an exception the temporary file is
 removed and the target is untouched.
+
+Outputs made of several files (replay, sweep results, frontier, tiers, adversary, peers) go
+through :func:`atomic_files`: every file is written into a staging directory first and the set
+is committed together, so a failure while writing any of them leaves every earlier file as it
+was. The file listed last (the summary, which records the results' row count and sha256) is
+committed last: a run killed between two renames leaves a summary that no longer matches its
+results, which readers refuse (``analysis/report.py``).
 """
 
 from __future__ import annotations
@@ -11,16 +18,21 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["LOCK_NAME", "TMP_SUFFIX", "DirLock", "OutputLockedError", "atomic_output",
-           "atomic_parquet", "atomic_write_bytes", "atomic_write_text", "fsync_dir",
+__all__ = ["LOCK_NAME", "STAGE_PREFIX", "TMP_SUFFIX", "DirLock", "OutputLockedError",
+           "atomic_files", "atomic_output", "atomic_parquet", "atomic_write_bytes",
+           "atomic_write_text", "check_file_targets", "commit_files", "fsync_dir",
            "remove_stale_tmp", "tmp_path"]
 
 TMP_SUFFIX = ".tmp"
+#: Name prefix of the staging directories of :func:`atomic_files` (they end in TMP_SUFFIX).
+STAGE_PREFIX = ".stage."
 #: Lock file every output writer (replay, sweep, evict, report) holds in its output directory.
 LOCK_NAME = ".tracesim.lock"
 
@@ -89,6 +101,106 @@ def atomic_parquet(path: str | os.PathLike, schema, **kwargs) -> Iterator:
         yield w
 
 
+def check_file_targets(directory: str | os.PathLike, names: list[str]) -> None:
+    """Refuse, before anything is written, a target that is not a regular file or absent.
+
+    A directory (or a symlink, a FIFO) named like an output file cannot be replaced by a
+    rename; finding out after the first file of a set was replaced would half-commit it.
+
+    Raises
+    ------
+    tracesim.errors.UsageError
+        Naming the path and what is in the way.
+    """
+    from tracesim.errors import UsageError
+
+    for name in names:
+        target = Path(directory) / name
+        try:
+            st = os.lstat(target)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            continue
+        kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a directory"
+                if stat.S_ISDIR(st.st_mode) else "not a regular file")
+        raise UsageError(f"{target}: is {kind}, expected a regular file (or nothing) there "
+                         "for this output file; move it away (nothing was written)")
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_files(stage: Path, directory: Path, names: list[str]) -> None:
+    """Move ``stage/<name>`` over ``directory/<name>`` for every name, as one unit.
+
+    The targets are checked first (:func:`check_file_targets`); each existing target is
+    hard-linked into the stage before it is replaced, so an error in the middle of the swap
+    rolls every replaced file back and removes the new ones: the earlier set stays
+    byte-identical. Names are committed in order: list the summary last.
+    """
+    check_file_targets(directory, names)
+    for name in names:
+        _fsync_file(stage / name)
+    old = stage / ".old"
+    old.mkdir()
+    done: list[tuple[str, bool]] = []  # (name, had an earlier file)
+    try:
+        for name in names:
+            target = directory / name
+            had = target.exists()
+            if had:
+                try:
+                    os.link(target, old / name)
+                except OSError:  # no hard links on this file system: keep a copy
+                    shutil.copy2(target, old / name)
+            os.replace(stage / name, target)
+            done.append((name, had))
+    except BaseException:
+        for name, had in reversed(done):
+            if had:
+                os.replace(old / name, directory / name)
+            else:
+                (directory / name).unlink(missing_ok=True)
+        fsync_dir(directory)
+        raise
+    fsync_dir(directory)
+
+
+@contextlib.contextmanager
+def atomic_files(directory: str | os.PathLike, names: list[str]) -> Iterator[Path]:
+    """A staging directory whose files ``names`` replace those in ``directory`` together.
+
+    Write every file of the set into the yielded directory; when the block completes they are
+    committed by :func:`commit_files` (the last name last). On an exception in the block, or
+    a refused target, nothing in ``directory`` changes. The stage lies inside ``directory``
+    (same file system, so renames are atomic) and is removed in every case; a killed run's
+    stage is removed by :func:`remove_stale_tmp`.
+
+    Examples
+    --------
+    >>> with atomic_files(out, ["replay.parquet", "summary.json"]) as stage:  # doctest: +SKIP
+    ...     write(stage / "replay.parquet"); write(stage / "summary.json")
+    """
+    directory = Path(directory)
+    check_file_targets(directory, names)
+    stage = directory / f"{STAGE_PREFIX}{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+    stage.mkdir()
+    try:
+        yield stage
+        missing = [n for n in names if not (stage / n).is_file()]
+        if missing:
+            raise RuntimeError(f"atomic_files: {missing} were not written into the stage")
+        commit_files(stage, directory, names)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 class OutputLockedError(ValueError):
     """Another process writes the same output directory (a user error: exit 2)."""
 
@@ -137,8 +249,13 @@ def remove_stale_tmp(directory: str | os.PathLike, recursive: bool = False) -> i
         return 0
     found = root.rglob("*" + TMP_SUFFIX) if recursive else root.glob("*" + TMP_SUFFIX)
     n = 0
-    for stale in found:
-        if stale.is_file() and not stale.is_symlink():
+    for stale in list(found):
+        if stale.is_symlink():
+            continue
+        if stale.is_file():
             stale.unlink(missing_ok=True)
+            n += 1
+        elif stale.is_dir() and stale.name.startswith(STAGE_PREFIX):  # atomic_files' stage
+            shutil.rmtree(stale, ignore_errors=True)
             n += 1
     return n

@@ -169,7 +169,11 @@ def export_results(results: str | os.PathLike, out: str | os.PathLike, fmt: str,
         if out.exists():
             old = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.old")
             os.replace(out, old)
-            os.replace(tmp, out)
+            try:
+                os.replace(tmp, out)
+            except BaseException:  # put the earlier export back: never neither
+                os.replace(old, out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)

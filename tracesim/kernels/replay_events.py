@@ -133,6 +133,63 @@ def exp_logits_kernel(Q, K, qpos, scale, G, E) -> None:
     (_exp_logits_ser if work < SERIAL_BELOW else _exp_logits_par)(Q, K, qpos, scale, G, E)
 
 
+def check_exp_range(E: np.ndarray, qpos: np.ndarray, where: str, head0: int = 0) -> None:
+    """Refuse exp-logits that underflowed to exactly 0 on a visible key.
+
+    ``E`` holds ``exp(s - max s)``: when the scaled logits of one query span more than the
+    exponent range (about 745 in float64, 103 in float32), keys visible to it get weight 0.
+    A kept set made only of such keys has normaliser 0, and the estimators divide by it (in a
+    compiled kernel that surfaces as a ``SystemError``). Real attention logits span tens, so
+    this means keys or queries of absurd size: a clear error beats a silent NaN.
+
+    Parameters
+    ----------
+    E : ndarray, shape (H, NQ, P)
+    qpos : ndarray, shape (NQ,)
+        Query positions (negative: sees every key).
+    where : str
+        Names the sequence and layer in the message.
+    head0 : int
+        Query head of ``E[0]`` (for callers that pass one head at a time).
+
+    Raises
+    ------
+    ValueError
+        Naming the head, query position and the number of underflowed keys.
+    """
+    P = E.shape[2]
+    last = np.where(qpos < 0, P - 1, qpos)
+    visible = np.arange(P)[None, :] <= last[:, None]
+    zero = (E == 0.0) & visible[None]
+    if zero.any():
+        h, a, p = (int(x) for x in np.argwhere(zero)[0])
+        h += head0
+        raise ValueError(
+            f"{where}: fields 'keys'/'queries' give head {h} at query position {int(qpos[a])} "
+            f"attention logits spanning beyond the {E.dtype} exponent range ({int(zero.sum())} "
+            f"visible weight(s) underflow to 0, first at key {p}), expected scaled logits "
+            "q.k*scale within about 700 of each other (keys/queries this large are not from "
+            "a model)")
+
+
+def check_logit_span(K: np.ndarray, Q: np.ndarray, qpos: np.ndarray, scale: float, G: int,
+                     where: str) -> None:
+    """:func:`check_exp_range` for kernels that exponentiate logits themselves (``tiers``).
+
+    Computes ``exp(s - max s)`` one head at a time in float64, as those kernels do, and refuses
+    the layer if a visible key's weight underflows to 0. ``K`` (n_kv, P, d), ``Q`` (H, NQ, d).
+    """
+    H, NQ = Q.shape[0], Q.shape[1]
+    P = K.shape[1]
+    last = np.where(qpos < 0, P - 1, qpos)
+    hidden = np.arange(P)[None, :] > last[:, None]
+    for h in range(H):
+        s = (Q[h].astype(np.float64) @ K[h // G].astype(np.float64).T) * scale
+        s[hidden] = -np.inf
+        E = np.exp(s - s.max(axis=1, keepdims=True))
+        check_exp_range(E.reshape(1, NQ, P), qpos, where, head0=h)
+
+
 @nb.njit(cache=True)
 def _truth_job(g, E, V, qrows, truth, zfull):
     H = E.shape[0]

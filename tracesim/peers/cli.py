@@ -59,7 +59,7 @@ def run_peers(args: argparse.Namespace) -> int:
     """Run ``peers``; 0 on success, 2 on a user error."""
     import pyarrow.parquet as pq
 
-    from tracesim.atomic import atomic_output
+    from tracesim.atomic import atomic_files, check_file_targets
     from tracesim.errors import UsageError
     from tracesim.outpaths import check_output
     from tracesim.peers import make_peer, replay_peers
@@ -70,6 +70,7 @@ def run_peers(args: argparse.Namespace) -> int:
         if not 1 <= args.seeds <= 4096:
             raise ValueError(f"--seeds {args.seeds}: expected an integer in [1, 4096]")
         out = check_output(args.out, [("trace store", args.traces)])
+        check_file_targets(out, ["peers.parquet", "peers.json"])  # before the replay
         params = loads_json(args.params, "--params")
         if not isinstance(params, dict) or not all(isinstance(v, dict)
                                                    for v in params.values()):
@@ -81,7 +82,7 @@ def run_peers(args: argparse.Namespace) -> int:
         peers = [make_peer(n, **params.get(n, {})) for n in names]
         if not peers:
             raise ValueError("--peer: expected at least one peer")
-        store = open_store(args.traces)
+        store = open_store(args.traces, require_rows=True)
         layers = _layers(args.layers, store.model.n_layers)
         if (out / "peers.parquet").exists() and not args.overwrite:
             raise ValueError(f"{out / 'peers.parquet'} exists; expected a new --out or "
@@ -92,10 +93,14 @@ def run_peers(args: argparse.Namespace) -> int:
         print(f"tracesim peers: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    with atomic_output(out / "peers.parquet") as fh:
-        pq.write_table(table, fh)
-    with atomic_output(out / "peers.json") as fh:
-        fh.write(json.dumps({"peers": [p.label() for p in peers], "seeds": args.seeds,
-                             "layers": layers, "rows": table.num_rows}, indent=1).encode())
+    try:  # both files or neither: a failure leaves an earlier pair as it was
+        with atomic_files(out, ["peers.parquet", "peers.json"]) as stage:
+            pq.write_table(table, stage / "peers.parquet")
+            (stage / "peers.json").write_text(json.dumps(
+                {"peers": [p.label() for p in peers], "seeds": args.seeds, "layers": layers,
+                 "rows": table.num_rows}, indent=1))
+    except UsageError as exc:
+        print(f"tracesim peers: {exc}", file=sys.stderr)
+        return 2
     print(f"{table.num_rows} rows -> {out / 'peers.parquet'}")
     return 0

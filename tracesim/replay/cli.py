@@ -205,7 +205,15 @@ def _check_args(args: argparse.Namespace) -> Path:
     out = check_out_dir(args.out)
     if out.exists() and (out / "replay.parquet").is_dir():
         raise UsageError(f"--out {out}: replay.parquet is a directory, expected a file name")
+    from tracesim.atomic import check_file_targets
+
+    check_file_targets(out, list(OUTPUT_FILES))  # before hours of replay, not after
     return out
+
+
+#: The files of one replay output, committed together; the summary (which records the
+#: results' row count and sha256) last.
+OUTPUT_FILES = ("replay.parquet", "configs.json", "summary.json")
 
 
 #: Largest ``--seeds`` (each seed is one replay of every randomized policy).
@@ -216,8 +224,9 @@ def run_replay(args: argparse.Namespace) -> int:
     """Run the ``replay`` subcommand; return an exit code.
 
     Arguments are checked before anything is opened; the output directory is locked for the
-    run; ``replay.parquet``, ``configs.json`` and ``summary.json`` appear only complete (temp
-    file, fsync, rename), and a failed or killed run leaves the previous files untouched.
+    run; ``replay.parquet``, ``configs.json`` and ``summary.json`` are staged and committed as
+    one unit (:func:`tracesim.atomic.atomic_files`), the summary last with the results' row
+    count and sha256; a failed run leaves the previous three files byte-identical.
     """
     from tracesim.atomic import DirLock, remove_stale_tmp
     from tracesim.store import StoreError, open_store
@@ -225,7 +234,7 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         out = _check_args(args)
         policies = build_policies(args)
-        store = open_store(args.traces)
+        store = open_store(args.traces, require_rows=True)
     except (ValueError, StoreError) as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
@@ -248,7 +257,8 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -> int:
-    from tracesim.atomic import atomic_parquet, atomic_write_text
+    from tracesim.atomic import atomic_files, atomic_parquet
+    from tracesim.integrity import results_record
     from tracesim.replay import ReplayOptions, iter_replay, result_schema
 
     options = ReplayOptions(output_space=not args.no_output_space,
@@ -264,22 +274,32 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
     t0 = time.perf_counter()
     skipped: list[str] = []
     try:
-        with atomic_parquet(path, result_schema()) as writer:
-            for batch in iter_replay(store, policies, seeds=args.seeds, layers=args.layers,
-                                     sequences=args.sequences, per_seed=args.per_seed,
-                                     progress=not args.no_progress, options=options,
-                                     skip_damaged=getattr(args, "skip_damaged", False),
-                                     skipped=skipped):
-                writer.write_batch(batch)
+        # all three files or none: a failure writing any of them leaves the earlier set
+        with atomic_files(out, list(OUTPUT_FILES)) as stage:
+            with atomic_parquet(stage / "replay.parquet", result_schema()) as writer:
+                for batch in iter_replay(store, policies, seeds=args.seeds, layers=args.layers,
+                                         sequences=args.sequences, per_seed=args.per_seed,
+                                         progress=not args.no_progress, options=options,
+                                         skip_damaged=getattr(args, "skip_damaged", False),
+                                         skipped=skipped):
+                    writer.write_batch(batch)
+            with pq.ParquetFile(stage / "replay.parquet") as fh:
+                n_rows = fh.metadata.num_rows
+            if n_rows == 0:  # e.g. every sequence skipped as damaged
+                raise ValueError(f"{args.traces}: the replay produced 0 rows (skipped: "
+                                 f"{len(skipped)} damaged sequence(s)), expected at least one "
+                                 "row; the earlier results are kept")
+            (stage / "configs.json").write_text(json.dumps(
+                [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
+            elapsed = time.perf_counter() - t0
+            (stage / "summary.json").write_text(json.dumps({
+                "store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
+                "wall_time_s": elapsed, "skipped_damaged": skipped, "prereg": prereg_doc,
+                **results_record(stage / "replay.parquet", n_rows, (p.id for p in policies))},
+                indent=1))
     except ValueError as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
-    atomic_write_text(out / "configs.json", json.dumps(
-        [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
-    elapsed = time.perf_counter() - t0
-    atomic_write_text(out / "summary.json", json.dumps({
-        "store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
-        "wall_time_s": elapsed, "skipped_damaged": skipped, "prereg": prereg_doc}, indent=1))
     for msg in skipped:
         print(f"tracesim replay: skipped damaged sequence: {msg}", file=sys.stderr)
     with pq.ParquetFile(path) as fh:  # not read_table, which imports pandas via pyarrow.dataset

@@ -22,6 +22,7 @@ from tracesim.kernels.replay import N_FIELDS, N_LAYER_FIELDS, replay_kernel
 from tracesim.kernels.replay_events import (
     N_STATS,
     TOP_ELIGIBLE,
+    check_exp_range,
     event_stats_kernel,
     exp_logits_kernel,
     take_all_kernel,
@@ -390,6 +391,7 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
             E = np.empty((H, nq, P), dtype=dt)
             exp_logits_kernel(np.ascontiguousarray(Q[:, q0:q1]), K, qp, float(trace.scale), G,
                               E)
+            check_exp_range(E, qp, f"sequence {trace.sequence_id!r} layer {trace.layer}")
             tr = np.empty((H, nq, d))
             zf = np.empty((H, nq))
             truth_kernel(E, V, np.arange(nq, dtype=np.int64), tr, zf)

@@ -203,9 +203,21 @@ class TraceSequence:
                           (self.n_query, m.head_dim), m.dtype)
 
     def h2o_scores(self, layer: int, head: int) -> np.ndarray:
-        """``(n_positions,)`` float32 post-softmax attention each key got from prefill queries."""
-        return self._read("h2o", "h2o", layer, head, self.model.n_heads,
-                          (self.n_positions,), "float32")
+        """``(n_positions,)`` float32 post-softmax attention each key got from prefill queries.
+
+        The invariants ``validate`` documents are enforced here too (>= 0, zero after the
+        prompt, summing to ``prompt_length``): a checksum only proves the file is the one the
+        manifest lists, and a re-signed store with forged scores would replay silently.
+        """
+        from tracesim.store.validate import check_h2o
+
+        arr = self._read("h2o", "h2o", layer, head, self.model.n_heads,
+                         (self.n_positions,), "float32")
+        where = f"{self.file}: field 'h2o' of layer {int(layer)} head {int(head)}"
+        problems = check_h2o(arr, where, int(self.meta["prompt_length"]))
+        if problems:
+            raise StoreError(problems[0])
+        return arr
 
     def close(self) -> None:
         """Drop the file handle (arrays already returned stay valid)."""
@@ -323,13 +335,17 @@ class TraceStore:
                                  f"field 'o_proj' of layer {layer}")
 
 
-def open_store(path: str | os.PathLike[str]) -> TraceStore:
+def open_store(path: str | os.PathLike[str], *, require_rows: bool = False) -> TraceStore:
     """Open a trace store for reading.
 
     Parameters
     ----------
     path : str or Path
         Store directory.
+    require_rows : bool
+        Refuse a store whose manifest has no row. Every command that replays or simulates
+        asks for this: an empty store would give an empty result that replaces earlier
+        results with exit 0 (a capture in progress may legitimately have none yet).
 
     Returns
     -------
@@ -340,4 +356,8 @@ def open_store(path: str | os.PathLike[str]) -> TraceStore:
     StoreError
         If the directory, ``model.json`` or ``manifest.parquet`` is missing or invalid.
     """
-    return TraceStore(path)
+    store = TraceStore(path)
+    if require_rows and store.manifest.num_rows == 0:
+        raise StoreError(f"{store.path / MANIFEST_FILE}: has 0 rows, expected at least one "
+                         "finished sequence to replay")
+    return store

@@ -173,9 +173,10 @@ def _check_sequence_file(
             continue
         if not check_data:
             continue
-        p += _finite(arr, f"{name}: {desc}")
-        if tname.startswith("h2o/"):
-            p += _check_h2o(arr, f"{name}: {desc}", prompt_length)
+        if tname.startswith("h2o/"):  # check_h2o reports non-finite scores itself
+            p += check_h2o(arr, f"{name}: {desc}", prompt_length)
+        else:
+            p += _finite(arr, f"{name}: {desc}")
         if len(p) > MAX_PROBLEMS_PER_FILE:
             break
     return p
@@ -212,10 +213,11 @@ def _finite(arr: np.ndarray, where: str) -> list[str]:
     return [f"{where} holds {n_nan} NaN and {n_inf} Inf value(s), expected finite values"]
 
 
-def _check_h2o(arr: np.ndarray, where: str, prompt_length: int) -> list[str]:
-    """h2o scores are >= 0, zero after the prompt and sum to prompt_length (one per query)."""
+def check_h2o(arr: np.ndarray, where: str, prompt_length: int) -> list[str]:
+    """h2o scores are finite, >= 0, zero after the prompt and sum to prompt_length (one per
+    query); the reader enforces the same rules (one list of problems, never two copies)."""
     if not np.isfinite(arr).all():
-        return []
+        return _finite(arr, where)
     p = []
     if (arr < 0).any():
         p.append(f"{where} holds negative scores, expected >= 0")

@@ -64,8 +64,10 @@ def write_json(path: Path, doc: Any) -> None:
                        unique=True)
 
 
-def compact(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[str]) -> int:
-    """Concatenate the task files into ``results/results.parquet``; return its row count.
+def compact(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[str],
+            dest: Path | None = None) -> int:
+    """Concatenate the task files into ``results/results.parquet`` (or ``dest``: the sweep
+    stages it with its summary, :func:`tracesim.atomic.atomic_files`); return its row count.
 
     Raises
     ------
@@ -76,7 +78,7 @@ def compact(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[str]) ->
     rank = {name: i for i, name in enumerate(store_order)}
     ordered = sorted(tasks, key=lambda t: (rank.get(t.store, len(rank)), t.sequence_id,
                                            t.layers, t.configs))
-    path = out_dir / RESULTS_FILE
+    path = Path(dest) if dest is not None else out_dir / RESULTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     schema = sweep_schema()
     rows = 0

@@ -11,7 +11,14 @@ from typing import Any
 
 import yaml
 
-from tracesim.atomic import DirLock, atomic_write_text, remove_stale_tmp
+from tracesim.atomic import (
+    DirLock,
+    atomic_files,
+    atomic_write_text,
+    check_file_targets,
+    remove_stale_tmp,
+)
+from tracesim.integrity import results_record
 from tracesim.sweep.backends import BACKENDS, Events, run_dask, run_local
 from tracesim.sweep.compact import (
     RESULTS_FILE,
@@ -67,6 +74,10 @@ class SweepSummary:
     failures: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     created: str = ""
+    #: :func:`tracesim.integrity.results_record` of the results (absent: incomplete sweep)
+    results_file: str | None = None
+    results_sha256: str | None = None
+    config_ids: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,6 +191,8 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = DirLock(out_dir, "sweep")
     try:
+        # a directory in the way of results/ files is refused before hours of tasks
+        check_file_targets(out_dir / "results", ["results.parquet", "summary.json"])
         plan = plan_tasks(spec)
         _prepare(spec, plan, out_dir)
         pending = [t for t in plan.tasks if not task_file_ok(out_dir, t)]
@@ -237,26 +250,38 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
         results = out_dir / RESULTS_FILE
         digest = tasks_digest(plan.tasks)
         complete = counts["failed"] == 0
-        n_rows = 0
-        if complete:
-            n_rows = sum(t.rows for t in plan.tasks)
-            if counts["done"] or not (results.is_file()
-                                      and _same_results(out_dir, plan, digest)):
-                n_rows = compact(out_dir, plan.tasks, [s.name for s in spec.stores])
-        else:
+        n_rows = sum(t.rows for t in plan.tasks) if complete else 0
+        if not complete:
             results.unlink(missing_ok=True)
-        summary = SweepSummary(
-            name=spec.name, output=str(out_dir), results=str(results) if complete else None,
-            spec_hash=plan.spec_hash, tasks_digest=digest, version=__version__,
-            complete=complete, tasks=counts, n_rows=n_rows, n_configs=len(spec.policies),
-            seeds=list(spec.seeds), record=spec.record,
-            wall_time_s=round(time.perf_counter() - t0, 3), backend=backend,
-            workers=n_workers, threads_per_worker=threads,
-            stores=[{"name": s.name, "path": str(s.path)} for s in spec.stores],
-            prereg=prereg_doc,
-            task_time_s={k: round(v, 3) for k, v in busy.items()},
-            failures=failures, notes=notes,
-            created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+        def make_summary(record: dict[str, Any]) -> SweepSummary:
+            record = dict(record)
+            rows = record.pop("n_rows", n_rows)
+            return SweepSummary(
+                name=spec.name, output=str(out_dir), results=str(results) if complete else None,
+                spec_hash=plan.spec_hash, tasks_digest=digest, version=__version__,
+                complete=complete, tasks=counts, n_rows=rows, n_configs=len(spec.policies),
+                seeds=list(spec.seeds), record=spec.record,
+                wall_time_s=round(time.perf_counter() - t0, 3), backend=backend,
+                workers=n_workers, threads_per_worker=threads,
+                stores=[{"name": s.name, "path": str(s.path)} for s in spec.stores],
+                prereg=prereg_doc,
+                task_time_s={k: round(v, 3) for k, v in busy.items()},
+                failures=failures, notes=notes,
+                created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record)
+
+        ids = [p.id for p in spec.policies]
+        if complete and (counts["done"] or not (results.is_file()
+                                                and _same_results(out_dir, plan, digest))):
+            # results and summary as one unit, the summary (with the results' sha256) last
+            results.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_files(results.parent, [results.name, Path(SUMMARY_FILE).name]) as st:
+                n_rows = compact(out_dir, plan.tasks, [s.name for s in spec.stores],
+                                 dest=st / results.name)
+                summary = make_summary(results_record(st / results.name, n_rows, ids))
+                write_json(st / Path(SUMMARY_FILE).name, summary.to_dict())
+            return summary
+        summary = make_summary(results_record(results, n_rows, ids) if complete else {})
         write_json(out_dir / SUMMARY_FILE, summary.to_dict())
         return summary
     finally:

@@ -178,7 +178,7 @@ def _stores(value: Any, where: str, base: Path) -> tuple[StoreRef, ...]:
         if not isinstance(name, str) or not name:
             raise SpecError(f"{key}.name: expected a non-empty string, got {name!r}")
         try:
-            open_store(full)
+            open_store(full, require_rows=True)
         except StoreError as exc:
             raise SpecError(f"{key}: cannot open trace store {str(full)!r}: {exc}") from None
         if any(r.name == name for r in refs):
@@ -220,7 +220,7 @@ def _check_selection(spec: SweepSpec, where: str) -> None:
     wanted = spec.options.roles
     oracle = any(p.score.name == "oracle" for p in spec.policies)
     for ref in spec.stores:
-        store = open_store(ref.path)
+        store = open_store(ref.path, require_rows=True)
         found.update(s for s in store.sequence_ids if spec.sequences.ids is None
                      or s in spec.sequences.ids)
         n_layers = store.model.n_layers

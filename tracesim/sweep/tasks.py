@@ -162,7 +162,7 @@ def plan_tasks(spec: SweepSpec) -> TaskPlan:
     n_seq = n_units = 0
     evals = 0.0
     for ref in spec.stores:
-        store = open_store(ref.path)
+        store = open_store(ref.path, require_rows=True)
         m = store.model
         model_json = read_bytes(ref.path / "model.json", 1 << 20, "store model.json")
         layers = list(spec.layers) if spec.layers is not None else list(range(m.n_layers))

@@ -72,7 +72,7 @@ def run_tiers_command(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         return _fail(f"--out {out}: exists and is not a directory")
     try:
-        store = open_store(store_path)
+        store = open_store(store_path, require_rows=True)
     except (OSError, ValueError) as exc:
         return _fail(f"{store_path}: cannot open the trace store ({exc})")
     try:

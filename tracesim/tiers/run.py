@@ -21,8 +21,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tracesim.atomic import DirLock, atomic_parquet, atomic_write_bytes
+from tracesim.atomic import DirLock, atomic_files, atomic_parquet
 from tracesim.columns import to_arrow
+from tracesim.integrity import file_sha256
 from tracesim.policies import Policy
 from tracesim.replay import load_layer
 from tracesim.tiers.simulate import simulate_layer
@@ -204,17 +205,21 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
             _run_dask(spec, str(store.path), todo, workers, scheduler, progress)
         tier_names = tuple(t.name for t in spec.memory.lower)
         # one part in memory at a time
-        n_rows = _write_parquet(out / "tiers.parquet", (pq.read_table(f) for f in files),
-                                tiers_schema(tier_names), spec.spec_hash)
-        summary = {"spec_hash": spec.spec_hash, "rows": n_rows,
-                   "sequences": len(seq_ids), "policies": [p.id for p in spec.policies],
-                   "layers": layers, "seeds": len(spec.seeds),
-                   "schedulers": list(spec.schedulers),
-                   "fetch_budgets": list(spec.fetch_budgets),
-                   "memory": spec.memory.to_dict(), "parts_resumed": done_before,
-                   "backend": backend, "seconds": round(time.perf_counter() - t0, 3)}
-        atomic_write_bytes(out / "summary.json",
-                           (json.dumps(summary, indent=2, default=str) + "\n").encode())
+        # tiers.parquet and summary.json as one unit, the summary (with its sha256) last
+        with atomic_files(out, ["tiers.parquet", "summary.json"]) as stage:
+            n_rows = _write_parquet(stage / "tiers.parquet", (pq.read_table(f) for f in files),
+                                    tiers_schema(tier_names), spec.spec_hash)
+            summary = {"spec_hash": spec.spec_hash, "rows": n_rows,
+                       "sequences": len(seq_ids), "policies": [p.id for p in spec.policies],
+                       "layers": layers, "seeds": len(spec.seeds),
+                       "schedulers": list(spec.schedulers),
+                       "fetch_budgets": list(spec.fetch_budgets),
+                       "memory": spec.memory.to_dict(), "parts_resumed": done_before,
+                       "backend": backend, "seconds": round(time.perf_counter() - t0, 3),
+                       "results_file": "tiers.parquet",
+                       "results_sha256": file_sha256(stage / "tiers.parquet")}
+            (stage / "summary.json").write_text(json.dumps(summary, indent=2, default=str)
+                                                + "\n")
         return summary
     finally:
         lock.release()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from tracesim.kernels.bounds import build_pages
+from tracesim.kernels.replay_events import check_logit_span
 from tracesim.kernels.tiers import tiers_layer
 from tracesim.policies import LayerTrace, Policy
 from tracesim.prn import permanent_uniforms
@@ -207,6 +208,9 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
     K = np.ascontiguousarray(trace.keys, dtype=np.float64)
     V = np.ascontiguousarray(trace.values, dtype=np.float64)
     Q = np.ascontiguousarray(trace.queries[:, qidx], dtype=np.float64)
+    # the kernel divides by kept-set normalisers: refuse logits beyond exp's range first
+    check_logit_span(K, Q, qpos, float(trace.scale), H // n_kv,
+                     f"sequence {trace.sequence_id!r} layer {trace.layer}")
 
     sums = zero_sums(NS, NB, H, n_kv, NQ, n_tiers)
     for seed in seeds:

@@ -1,0 +1,55 @@
+"""Reading a results directory for the report: the table, verified against its summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow.parquet as pq
+
+__all__ = ["RESULT_FILES", "load_results"]
+
+RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A results directory's JSON document (bounded reader), None if it is missing."""
+    from tracesim.safeio import read_json
+
+    if not path.exists() and not path.is_symlink():
+        return None
+    doc = read_json(path, "results summary")
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return doc
+
+
+def load_results(directory: str | Path, *, trust_unsigned: bool = False,
+                 notes: list[str] | None = None) -> tuple[pd.DataFrame, dict[str, Any] | None]:
+    """The replay results table and its summary from a sweep or replay output directory.
+
+    The table must match what its ``summary.json`` records (row count, sha256, configuration
+    ids) and have unique result keys and the required columns
+    (:func:`tracesim.integrity.verify_results`); otherwise ``UsageError``. Results whose
+    summary records nothing (written before tracesim recorded it) are refused unless
+    ``trust_unsigned``, which appends a warning to ``notes`` instead.
+    """
+    from tracesim.integrity import verify_results
+
+    d = Path(directory)
+    for name in RESULT_FILES:
+        if (d / name).is_file():
+            path = d / name
+            summary_path = path.parent / "summary.json"
+            summary = _read_json(summary_path)
+            # ParquetFile, not read_table: a file that is not Parquet is one ValueError
+            with pq.ParquetFile(path) as fh:
+                table = fh.read()
+            found = verify_results(path, table, summary, summary_path,
+                                   configs=path.parent / "configs.json",
+                                   trust_unsigned=trust_unsigned)
+            if notes is not None:
+                notes.extend(found)
+            return table.to_pandas(), summary
+    raise ValueError(f"{d}: no results file found (expected one of {list(RESULT_FILES)})")
