@@ -39,7 +39,7 @@ from analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch
 from analysis.multiplicity import holm
 from analysis.prereg import Preregistration, check_prereg_hash, load_prereg
 from analysis.provenance import Provenance, collect_provenance
-from analysis.results_io import _read_json, load_results
+from analysis.results_io import _read_json, load_outcomes, load_results
 
 __all__ = ["Report", "build_report", "load_results"]
 
@@ -100,11 +100,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         results, summary_r = load_results(results_dir, trust_unsigned=trust_unsigned,
                                           notes=load_notes)
     if outcomes_dir is not None:
-        path = Path(outcomes_dir) / "outcomes.parquet"
-        if not path.is_file():
-            raise ValueError(f"{outcomes_dir}: no outcomes.parquet")
-        outcomes = pq.read_table(path).to_pandas()
-        summary_o = _read_json(Path(outcomes_dir) / "summary.json")
+        outcomes, summary_o = load_outcomes(outcomes_dir, trust_unsigned=trust_unsigned,
+                                            notes=load_notes)
     matches = True
     for name, summary in (("results", summary_r), ("outcomes", summary_o)):
         if summary is not None or (name == "results" and results is not None):

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 
-__all__ = ["RESULT_FILES", "load_results"]
+__all__ = ["RESULT_FILES", "load_outcomes", "load_results"]
 
 RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet")
 
@@ -53,3 +53,27 @@ def load_results(directory: str | Path, *, trust_unsigned: bool = False,
                 notes.extend(found)
             return table.to_pandas(), summary
     raise ValueError(f"{d}: no results file found (expected one of {list(RESULT_FILES)})")
+
+
+def load_outcomes(directory: str | Path, *, trust_unsigned: bool = False,
+                  notes: list[str] | None = None) -> tuple[pd.DataFrame, dict[str, Any] | None]:
+    """The in-loop outcomes (``tracesim evict``'s ``outcomes.parquet``) and their summary,
+    checked as :func:`load_results` checks results: the summary's row count, sha256 and
+    configuration ids, one row per (sequence, policy, seed, fetch scheduler and budget), the
+    columns the claims read (:data:`tracesim.integrity.OUTCOME_COLUMNS`)."""
+    from tracesim.integrity import OUTCOME_COLUMNS, OUTCOME_KEYS, verify_results
+
+    d = Path(directory)
+    path = d / "outcomes.parquet"
+    if not path.is_file():
+        raise ValueError(f"{d}: no outcomes.parquet")
+    summary_path = d / "summary.json"
+    summary = _read_json(summary_path)
+    with pq.ParquetFile(path) as fh:
+        table = fh.read()
+    found = verify_results(path, table, summary, summary_path, trust_unsigned=trust_unsigned,
+                           required=OUTCOME_COLUMNS, keys=OUTCOME_KEYS)
+    if notes is not None:
+        notes.extend(found)
+    return table.to_pandas(), summary
+

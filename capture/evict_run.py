@@ -93,9 +93,12 @@ def run_evict(
         step and layer (docs/tiers.md, "In the loop"); policies that evict nothing run once,
         with null fetch columns. Needs one-shot policies.
     """
+    import pyarrow.parquet as pq
+
     from capture.models import LoadedModel, load_model, model_info
-    from tracesim.atomic import DirLock, atomic_write_text, remove_stale_tmp
+    from tracesim.atomic import DirLock, atomic_files, remove_stale_tmp
     from tracesim.errors import check_int, check_out_dir
+    from tracesim.integrity import results_record
     from tracesim.store import open_store
 
     check_int(max_new_tokens, "max_new_tokens", 1, 1 << 20)
@@ -137,9 +140,16 @@ def run_evict(
         # The lock is held: temporary files here belong to killed runs on this directory.
         remove_stale_tmp(out)
         remove_stale_tmp(out / "parts", recursive=True)
-        summary = _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
-                              key, max_new_tokens, layer_certificate, progress, fetch)
-        atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+        table, summary = _run_locked(store, store_path, loaded, policies, seed_list, ids, out,
+                                     parts, key, max_new_tokens, layer_certificate, progress,
+                                     fetch)
+        # The outcomes and the summary that signs them (rows, sha256, configurations) are one
+        # unit: the report refuses outcomes that do not match their summary.
+        with atomic_files(out, ["outcomes.parquet", "summary.json"]) as stage:
+            pq.write_table(table, stage / "outcomes.parquet")
+            ids_run = table["config_id"].unique().to_pylist() if table.num_rows else []
+            summary.update(results_record(stage / "outcomes.parquet", table.num_rows, ids_run))
+            (stage / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     finally:
         lock.release()
@@ -216,7 +226,6 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
     tables = [pq.read_table(parts / _safe_name(sid)) for sid in ids]
     table = (describe_table(pa.concat_tables(tables, promote_options="default")) if tables
              else pa.table({}))
-    _write_atomic(table, out / "outcomes.parquet")
     summary = {
         "store": str(store_path), "model_id": loaded.model_id, "n_sequences": len(ids),
         "sequences_written": done, "sequences_skipped": skipped, "n_rows": table.num_rows,
@@ -245,7 +254,7 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
              "bytes_share": float(g.fetch_bytes_share.mean())}
             for (c, s, b), g in df.dropna(subset=["fetch_scheduler"]).groupby(
                 ["config_id", "fetch_scheduler", "fetch_budget"])]}
-    return summary
+    return table, summary
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

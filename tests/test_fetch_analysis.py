@@ -104,6 +104,9 @@ def test_report_evaluates_claims_on_plain_rows_and_adds_the_fetch_section(inputs
     d.mkdir()
     pq.write_table(pa.Table.from_pandas(merged), d / "outcomes.parquet")
     (d / "summary.json").write_text(json.dumps({"prereg": {"sha256": prereg_hash(PREREG)}}))
+    from tracesim.integrity import sign_results
+
+    sign_results(d / "outcomes.parquet")
     report = build_report(results, d, prereg_path=PREREG)
     for a, b in zip(plain_report.claims, report.claims, strict=True):
         if a.claim in ("C2", "C3", "C4", "C6"):

@@ -58,6 +58,7 @@ def inputs(tmp_path_factory):
     pq.write_table(pa.Table.from_pandas(pd.DataFrame(rows)), outcomes / "outcomes.parquet")
     (outcomes / "summary.json").write_text(json.dumps({"prereg": {"sha256":
                                                                   prereg_hash(PREREG)}}))
+    sign_results(outcomes / "outcomes.parquet")  # as tracesim evict signs its own
     return root, store, results, outcomes
 
 
@@ -167,3 +168,37 @@ def test_coverage_heatmap_masks_thin_cells_and_fixes_the_scale(monkeypatch):
     assert made is not None and made[0][:4] == b"\x89PNG"
     assert "1 of 6 cells masked" in made[1]
     assert seen == [{"vcenter": 0.95, "vmin": 0.0, "vmax": 1.0}]
+
+
+def test_report_refuses_tampered_or_unsigned_outcomes(inputs, tmp_path):
+    import shutil
+
+    from tracesim.errors import UsageError
+
+    root, store, results, outcomes = inputs
+    base = pd.read_parquet(outcomes / "outcomes.parquet")
+    forged = base.assign(correct=True)  # every answer right: C3 would change its verdict
+    cases = {"forged column": forged, "duplicated rows": pd.concat([base, base]),
+             "zero rows": base.iloc[:0]}
+    for name, df in cases.items():
+        d = tmp_path / name.replace(" ", "_")
+        shutil.copytree(outcomes, d)
+        pq.write_table(pa.Table.from_pandas(df, preserve_index=False), d / "outcomes.parquet")
+        with pytest.raises(UsageError, match="outcomes.parquet") as err:
+            build_report(results, d, prereg_path=PREREG)
+        assert "expected" in str(err.value), name
+    # A re-signed duplicate is still refused by its repeated keys; unsigned needs the flag.
+    d = tmp_path / "resigned"
+    shutil.copytree(outcomes, d)
+    pq.write_table(pa.Table.from_pandas(pd.concat([base, base]), preserve_index=False),
+                   d / "outcomes.parquet")
+    sign_results(d / "outcomes.parquet")
+    with pytest.raises(UsageError, match="repeat a result key"):
+        build_report(results, d, prereg_path=PREREG)
+    d = tmp_path / "unsigned"
+    shutil.copytree(outcomes, d)
+    (d / "summary.json").write_text(json.dumps({"prereg": {"sha256": prereg_hash(PREREG)}}))
+    with pytest.raises(UsageError, match="results_sha256"):
+        build_report(results, d, prereg_path=PREREG)
+    report = build_report(results, d, prereg_path=PREREG, trust_unsigned=True)
+    assert any("UNSIGNED" in n for n in report.notes)

@@ -21,8 +21,9 @@ import pyarrow as pa
 
 from tracesim.errors import UsageError
 
-__all__ = ["KEY_COLUMNS", "RECORD_FIELDS", "REQUIRED_COLUMNS", "file_sha256", "results_record",
-           "sign_results", "verify_results"]
+__all__ = ["KEY_COLUMNS", "OUTCOME_COLUMNS", "OUTCOME_KEYS", "RECORD_FIELDS",
+           "REQUIRED_COLUMNS", "file_sha256", "results_record", "sign_results",
+           "verify_results"]
 
 #: Fields of a summary that describe its results file.
 RECORD_FIELDS = ("results_file", "results_sha256", "n_rows", "config_ids")
@@ -34,8 +35,17 @@ REQUIRED_COLUMNS = {"config_id": "string", "score": "string", "design": "string"
                     "sequence_id": "string", "layer": "integer", "head": "integer",
                     "query_index": "integer", "err2": "floating", "wald_cov": "floating"}
 
+#: Columns that identify one in-loop outcome row (``tracesim evict``): a (sequence, policy,
+#: seed), once per fetch scheduler and fetch budget when fetches ran.
+OUTCOME_KEYS = ("sequence_id", "config_id", "seed", "fetch_scheduler", "fetch_budget",
+                "fetch_page")
+#: Columns every reader of outcomes needs.
+OUTCOME_COLUMNS = {"config_id": "string", "sequence_id": "string", "score": "string",
+                   "design": "string", "correct": "boolean", "full_correct": "boolean"}
+
 _KINDS = {"string": (pa.types.is_string, pa.types.is_large_string, pa.types.is_dictionary),
-          "integer": (pa.types.is_integer,), "floating": (pa.types.is_floating,)}
+          "integer": (pa.types.is_integer,), "floating": (pa.types.is_floating,),
+          "boolean": (pa.types.is_boolean,)}
 
 
 def file_sha256(path: str | Path) -> str:
@@ -87,10 +97,10 @@ def _check_columns(table: pa.Table, path: Path, required: dict[str, str]) -> Non
                              "column")
 
 
-def _check_keys(table: pa.Table, path: Path) -> None:
+def _check_keys(table: pa.Table, path: Path, keys: tuple[str, ...] = KEY_COLUMNS) -> None:
     import pyarrow.compute as pc
 
-    cols = [c for c in KEY_COLUMNS if c in table.column_names]
+    cols = [c for c in keys if c in table.column_names]
     if table.num_rows == 0:
         return
     # one string per row: exact, and linear (no pandas needed)
@@ -121,7 +131,8 @@ def _configs_json_ids(configs: Path) -> set[str] | None:
 def verify_results(path: str | Path, table: pa.Table, summary: dict[str, Any] | None,
                    summary_path: str | Path, *, configs: str | Path | None = None,
                    trust_unsigned: bool = False,
-                   required: dict[str, str] | None = None) -> list[str]:
+                   required: dict[str, str] | None = None,
+                   keys: tuple[str, ...] = KEY_COLUMNS) -> list[str]:
     """Refuse results that do not match the summary describing them; return notes.
 
     Parameters
@@ -141,6 +152,9 @@ def verify_results(path: str | Path, table: pa.Table, summary: dict[str, Any] | 
     required : dict, optional
         Column name -> kind (``string``, ``integer``, ``floating``) the reader needs (default
         :data:`REQUIRED_COLUMNS`); ``config_id`` is always required.
+    keys : tuple of str
+        Columns that identify a row (those present are used; default :data:`KEY_COLUMNS`,
+        :data:`OUTCOME_KEYS` for in-loop outcomes).
 
     Raises
     ------
@@ -154,8 +168,8 @@ def verify_results(path: str | Path, table: pa.Table, summary: dict[str, Any] | 
         if not trust_unsigned:
             raise UsageError(
                 f"{summary_path}: field 'results_sha256' is missing, expected the row count and "
-                f"sha256 of {path.name} (written by tracesim replay/sweep; rerun them, or sign "
-                "API-written results with tracesim.integrity.sign_results, or pass "
+                f"sha256 of {path.name} (written by tracesim replay/sweep/evict; rerun them, "
+                "or sign API-written results with tracesim.integrity.sign_results, or pass "
                 "--trust-unsigned)")
         notes.append(f"UNSIGNED RESULTS: {path} has no row count or sha256 in {summary_path}; "
                      "its rows were taken on trust")
@@ -177,7 +191,7 @@ def verify_results(path: str | Path, table: pa.Table, summary: dict[str, Any] | 
                          "table would make every claim inconclusive without saying why)")
     _check_columns(table, path, {"config_id": "string",
                                  **(REQUIRED_COLUMNS if required is None else required)})
-    _check_keys(table, path)
+    _check_keys(table, path, keys)
     ids = set(table["config_id"].unique().to_pylist())
     listed = [(summary_path, "config_ids",
                set(record["config_ids"]) if record and isinstance(record.get("config_ids"),
