@@ -12,14 +12,10 @@ interpreter start for all cases, and the peak resident memory read from /proc/se
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
-import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +24,6 @@ import pyarrow.parquet as pq
 import yaml
 
 Case = dict[str, Any]
-LIMIT_S = 10.0
 _GRID = {"score": "snapkv", "design": "topk", "budget": 0.5,
          "score_params": {"snapkv": {"window": 8}}}
 
@@ -330,53 +325,8 @@ def all_cases(p: dict[str, str]) -> list[Case]:
     return [dict(c, family=fam) for fam, gen in FAMILIES.items() for c in gen(p)]
 
 
-# --------------------------------------------------------------------------- child runner
-
-
-class _Hang(Exception):
-    pass
-
-
-def _alarm(signum: int, frame: Any) -> None:
-    raise _Hang()
-
-
-def _vmhwm_kb() -> int:
-    """Peak resident memory of this process (kB), from /proc/self/status."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return -1
-
-
-def run_cases(cases: list[Case]) -> dict[str, Any]:
-    """Run each case's ``tracesim`` command in this process under a 10 s alarm."""
-    from tracesim.cli import main as cli_main
-
-    results = []
-    for case in cases:
-        err, out = io.StringIO(), io.StringIO()
-        signal.signal(signal.SIGALRM, _alarm)
-        signal.setitimer(signal.ITIMER_REAL, LIMIT_S)
-        t0 = time.perf_counter()
-        try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-                code: Any = cli_main(list(case["argv"]))
-        except _Hang:
-            code = "hang"
-        except SystemExit as exc:  # argparse
-            code = exc.code
-        except BaseException as exc:  # MemoryError, RecursionError: a failure to report
-            code = f"{type(exc).__name__}: {str(exc)[:200]}"
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        # capture prints its user errors on stdout; every other command on stderr
-        results.append({"name": case["name"], "code": code,
-                        "message": err.getvalue().strip() or out.getvalue().strip(),
-                        "seconds": time.perf_counter() - t0})
-    return {"cases": results, "vmhwm_kb": _vmhwm_kb()}
-
-
 if __name__ == "__main__":  # pragma: no cover - run by tests/test_hostile_input.py
+    from tests.fault_harness import run_cases
+
     doc = run_cases(json.loads(Path(sys.argv[1]).read_text()))
     Path(sys.argv[2]).write_text(json.dumps(doc))

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tests.hostile_cases import run_cases
+from tests.fault_harness import run_cases
 
 Case = dict[str, Any]
 _REPLAY = ["--score", "snapkv", "--design", "topk,poisson", "--window", "8", "--seeds", "2",

@@ -1,28 +1,22 @@
 """Hostile and careless input, round two: output sets, silent numbers, tampered results.
 
 One generator per family lives in ``tests/integrity_cases.py``; every case runs the real
-``tracesim`` command line in one child process under a 1 GiB data cap and must exit 2 within
-10 s with a one-line message naming the file and the field, no traceback. The child's peak
-resident memory (VmHWM) stays under the cap, and every file that existed before (stores,
-replay outputs, tampered copies) is byte-identical afterwards. The commit of a file set is
-also checked in-process with a failure injected between two renames.
+``tracesim`` command line in one child process under a 1 GiB data cap and must exit 2 within 10
+s of CPU time with a one-line message naming the file and the field, no traceback. The child's
+peak resident memory (VmHWM) stays under the cap, and every file that existed before (stores,
+replay outputs, tampered copies) is byte-identical afterwards. The commit of a file set is also
+checked in-process with a failure injected between two renames.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.fault_harness import LIMIT_S, MEMORY_CAP, problems, run_child, snapshot
 from tests.integrity_cases import FAMILIES, all_cases, build_inputs
-from tests.test_hostile_input import LIMIT_S, MEMORY_CAP, _cap_memory, _problems, _snapshot
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +25,10 @@ def integrity(tmp_path_factory):
     root = tmp_path_factory.mktemp("integrity")
     paths = build_inputs(root / "in")
     cases = all_cases(paths)
-    before = _snapshot(root / "in")
-    (root / "cases.json").write_text(json.dumps(cases))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tests.integrity_cases",
-                           str(root / "cases.json"), str(root / "results.json")], env=env,
-                          cwd=str(REPO), preexec_fn=_cap_memory, capture_output=True,
-                          text=True, timeout=600)  # a hang guard; each case has its own 10 s
-    wall = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads((root / "results.json").read_text())
+    before = snapshot(root / "in")
+    doc, wall = run_child("tests.integrity_cases", root, cases)
     return {"root": root, "paths": paths, "cases": cases, "doc": doc, "before": before,
-            "after": _snapshot(root / "in"), "wall": wall}
+            "after": snapshot(root / "in"), "wall": wall}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -54,9 +39,9 @@ def test_family_exits_2_naming_file_and_field(integrity, family):
     bad = []
     for case in cases:
         result = by_name[case["name"]]
-        problems = _problems(case, result)
-        if problems:
-            bad.append(f"{case['name']}: {', '.join(problems)}: {result['message'][-300:]!r}")
+        found = problems(case, result)
+        if found:
+            bad.append(f"{case['name']}: {', '.join(found)}: {result['message'][-300:]!r}")
     slowest = max(by_name[c["name"]]["seconds"] for c in cases)
     print(f"\n[integrity] family {family}: {len(cases) - len(bad)}/{len(cases)} exit 2 naming "
           f"the file and field; slowest {slowest:.2f} s (limit {LIMIT_S:.0f} s)")
