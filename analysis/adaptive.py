@@ -32,17 +32,32 @@ from analysis.report import load_results
 __all__ = ["adaptive_table", "conformal_radius", "evaluate_c9", "evaluate_c10", "main"]
 
 
-def _cluster_ci(values: pd.Series, clusters: pd.Series) -> tuple[float, float]:
-    """Mean and cluster-robust (by sequence) 95 % half-width of a 0/1 coverage column."""
+def _cluster_se(values: pd.Series, clusters: pd.Series) -> tuple[float, float, int]:
+    """Mean, cluster-robust (by sequence) standard error and number of clusters of a column;
+    the error is NaN with fewer than 2 clusters (one sequence says nothing about the next)."""
     ok = values.notna()
     v, c = values[ok].to_numpy(float), clusters[ok].to_numpy()
     if v.size == 0:
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), 0
     m = v.mean()
     sums = pd.Series(v - m).groupby(c).sum().to_numpy()
     k = sums.size
-    se = np.sqrt(k / max(k - 1, 1) * (sums**2).sum()) / v.size
-    return float(m), float(1.96 * se)
+    if k < 2:
+        return float(m), float("nan"), k
+    return float(m), float(np.sqrt(k / (k - 1) * (sums**2).sum()) / v.size), k
+
+
+def _quantile(p: float, k: int) -> float:
+    """Student quantile with ``k - 1`` degrees of freedom (``k`` clusters; NaN below 2)."""
+    from scipy import stats
+
+    return float(stats.t.ppf(p, k - 1)) if k >= 2 else float("nan")
+
+
+def _cluster_ci(values: pd.Series, clusters: pd.Series) -> tuple[float, float]:
+    """Mean and cluster-robust 95 % half-width (Student ``t_{k-1}``) of a column."""
+    m, se, k = _cluster_se(values, clusters)
+    return m, _quantile(0.975, k) * se
 
 
 def _proxy(row: pd.Series) -> str:
@@ -94,9 +109,12 @@ def conformal_radius(cal: pd.DataFrame, level: float = 0.95) -> dict[str, float]
     return out
 
 
-def _one_sided(values: pd.Series, clusters: pd.Series, z: float) -> tuple[float, float, float]:
-    m, hw = _cluster_ci(values, clusters)
-    half = hw / 1.96 * z
+def _one_sided(values: pd.Series, clusters: pd.Series,
+               p: float) -> tuple[float, float, float]:
+    """Mean and the ``p`` one-sided bounds below and above it (``t_{k-1}``; NaN below 2
+    clusters, which makes every verdict inconclusive)."""
+    m, se, k = _cluster_se(values, clusters)
+    half = _quantile(p, k) * se
     return m, m - half, m + half
 
 
@@ -128,12 +146,20 @@ def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
     p = df[df.config_id == pick["primary"]]
     b = df[df.config_id == pick["baseline"]]
     lo_iv, hi_iv = claim["interval"]
-    z2 = float(stats.norm.ppf(1 - alpha))  # (1 - 2 alpha) two-sided = alpha one-sided each
-    z1 = float(stats.norm.ppf(1 - alpha / 2))
-    cov, lo2, hi2 = _one_sided(p["wald_cov"], p["sequence_id"], z2)
-    _, lo1, hi1 = _one_sided(p["wald_cov"], p["sequence_id"], z1)
-    ratio = np.log(p.groupby("sequence_id")["err2"].mean()
-                   / b.groupby("sequence_id")["err2"].mean())
+    # (1 - 2 alpha) two-sided = alpha one-sided on each side
+    cov, lo2, hi2 = _one_sided(p["wald_cov"], p["sequence_id"], 1 - alpha)
+    _, lo1, hi1 = _one_sided(p["wald_cov"], p["sequence_id"], 1 - alpha / 2)
+    mp = p.groupby("sequence_id")["err2"].mean()
+    mb = b.groupby("sequence_id")["err2"].mean()
+    if set(mp.index) != set(mb.index):
+        raise ValueError("C9: the primary and baseline configurations cover different "
+                         f"sequences ({len(mp)} and {len(mb)}), expected the same for the "
+                         "paired test")
+    mb = mb.loc[mp.index]
+    if not ((mp > 0) & (mb > 0) & np.isfinite(mp) & np.isfinite(mb)).all():
+        raise ValueError("C9: a sequence has a zero or non-finite MSE, expected positive "
+                         "MSEs for the paired log-ratio test")
+    ratio = np.log(mp / mb)
     t = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="less")
     t_gt = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="greater")
     within = lo_iv <= lo2 and hi2 <= hi_iv
@@ -153,9 +179,6 @@ def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
 def evaluate_c10(peers: pd.DataFrame, claim: dict, alpha: float) -> dict:
     """C10: per configuration, the violation rate of vAttention's bound with a one-sided
     cluster-robust bound, against its nominal delta."""
-    from scipy import stats
-
-    z = float(stats.norm.ppf(1 - alpha))
     rows, verdicts = [], []
     for want in claim["compare"]:
         label = ("vattention(" + ",".join(f"{k}={want[k]:g}" for k in (
@@ -164,10 +187,10 @@ def evaluate_c10(peers: pd.DataFrame, claim: dict, alpha: float) -> dict:
         if g.empty:
             raise ValueError(f"C10: no rows of {label} in the peers results")
         viol = 1.0 - g["peer_bound_ok"]
-        rate, lo, hi = _one_sided(viol, g["sequence_id"], z)
+        rate, lo, hi = _one_sided(viol, g["sequence_id"], 1 - alpha)
         delta = float(want["delta"])
         verdicts.append("supported" if hi <= delta else
-                        "not supported" if lo > delta else "inconclusive")
+                        "not supported" if lo > delta else "inconclusive")  # NaN: neither
         rows.append({"config": label, "violation_rate": rate, "one_sided_bounds": (lo, hi),
                      "delta": delta, "rows": len(g), "sequences": int(g.sequence_id.nunique()),
                      "den_violation_rate": float(1.0 - g["peer_den_ok"].mean()),

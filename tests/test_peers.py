@@ -199,3 +199,15 @@ def test_peers_cli_writes_results_and_refuses_bad_input(tmp_path, capsys):
         err = capsys.readouterr().err
         assert field in err and "expected" in err and "Traceback" not in err
     assert (out / "peers.parquet").read_bytes() == first
+
+
+def test_magicpig_codes_past_63_bits_and_typed_parameters(trace):
+    # 70 bits per table: compared bit by bit (an int64 code would overflow into collisions)
+    mp = MagicPIG(bits=70, tables=2, sinks=4, local=16)
+    x = _last_decode(trace)
+    st = mp.prepare(trace.layer, x.kv_head, trace.keys[x.kv_head], trace.prompt_length, 0)
+    assert mp.step(x, st, 0, 1.96)["sampled"] == 0  # 70 equal signs twice: essentially never
+    for name, params in (("quest", {"budget": "0.5"}), ("vattention", {"epsilon": "0.2"}),
+                         ("vattention", {"delta": True})):
+        with pytest.raises(ValueError, match="expected a number"):
+            make_peer(name, **params)

@@ -371,3 +371,25 @@ def test_cost_columns_follow_the_memory_model():
     assert t.loc["perstep", "step_us"] == pytest.approx(waves * 2.0 + rows_read * b / 1e3)
     partial = 2 * (2 * 8 + 3) * 4 * 2
     assert t.loc["perstep", "step_us_partial"] == pytest.approx(1 * 2.0 + partial / 1e3)
+
+
+def test_claims_need_two_sequences_and_paired_sequences():
+    import pandas as pd
+
+    from analysis.adaptive import _one_sided, evaluate_c9
+    from analysis.prereg import load_prereg
+
+    m, lo, hi = _one_sided(pd.Series([1.0, 0.0, 1.0, 1.0]), pd.Series(["a"] * 4), 0.95)
+    assert m == 0.75 and np.isnan(lo) and np.isnan(hi)  # one sequence: no interval
+    pre = load_prereg("data/prereg.yaml")
+    prim = make_policy("perstep", "poisson", 0.25, schedule="step",
+                       design_params={"mixture": 0.1}, score_params={"proxy": "quant:4"})
+    base = make_policy("perstep", "topk", 0.25, schedule="step",
+                       score_params={"proxy": "quant:4"})
+    keys = ("score", "design", "budget", "correction", "mixture", "top_fraction", "score_params")
+    rows = [{**{k: prim.row()[k] for k in keys}, "config_id": prim.id, "sequence_id": s,
+             "wald_cov": 1.0, "err2": 0.1} for s in ("a", "b")]
+    rows += [{**{k: base.row()[k] for k in keys}, "config_id": base.id, "sequence_id": "a",
+              "wald_cov": np.nan, "err2": 1.0}]
+    with pytest.raises(ValueError, match="different sequences"):
+        evaluate_c9(pd.DataFrame(rows), pre.claims["C9"], pre.claim_alpha("C9"))

@@ -101,15 +101,15 @@ class MagicPIG(Peer):
         return lo, hi, mu, W, codes, np.linalg.norm(kc, axis=1)
 
     def _codes(self, proj: np.ndarray) -> np.ndarray:
-        """Table codes (n, L) from projections (n, K L), table-major columns."""
-        bits = (proj > 0).reshape(proj.shape[0], self.tables, self.bits)
-        return (bits * (1 << np.arange(self.bits))).sum(axis=2)
+        """Sign bits (n, L, K) from projections (n, K L), table-major columns. The bits are
+        compared table by table, not packed into an integer (which overflows past 63 bits)."""
+        return (proj > 0).reshape(proj.shape[0], self.tables, self.bits)
 
     def step(self, x: StepInput, state, seed: int, z: float) -> dict:
         lo, hi, mu, W, codes, knorm = state
         n = x.step + 1
         qcode = self._codes((x.query @ W)[None])[0]
-        matches = (codes == qcode[None]).sum(axis=1)
+        matches = (codes == qcode[None]).all(axis=2).sum(axis=1)
         used = matches >= self.min_collisions
         kc = x.keys[lo:hi] - mu
         cos = (kc @ x.query) / np.maximum(knorm * np.linalg.norm(x.query), 1e-300)

@@ -44,6 +44,10 @@ class Quest(Peer):
 
     def __post_init__(self) -> None:
         self._check_ints(1, "page")
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+            raise ValueError(f"quest: budget = {self.budget!r}: expected a number (a fraction "
+                             "in (0, 1] or a token count)")
+        object.__setattr__(self, "budget", float(self.budget))
         if not (np.isfinite(float(self.budget)) and float(self.budget) > 0):
             raise ValueError(f"quest: budget = {self.budget!r}: expected a fraction in (0, 1] "
                              "or a token count")

@@ -90,7 +90,11 @@ class VAttention(Peer):
         self._check_ints(0, "sinks", "local")
         for f, lo, hi in (("heavy", 0.0, 1e9), ("base_rate", 0.0, 1.0), ("epsilon", 0.0, 1e9),
                           ("delta", 0.0, 1.0)):
-            v = float(getattr(self, f))
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"vattention: {f} = {v!r}: expected a number")
+            v = float(v)
+            object.__setattr__(self, f, v)
             if not (np.isfinite(v) and lo < v < hi) and not (f == "heavy" and v == 0):
                 raise ValueError(f"vattention: {f} = {v!r}: expected a number in ({lo}, {hi})")
 

@@ -48,7 +48,10 @@ class QuantProxy(Proxy):
     bits : {1, 2, 4, 8}
     group : int, default 32
         Tokens per quantisation group (each group stores a zero point and a step per channel
-        in fp16: ``32 / group`` bits per channel per token on top of ``bits``).
+        in fp16: ``32 / group`` bits per channel per token on top of ``bits``). At the step of
+        position ``t`` only the groups complete before ``t`` are quantised; the fewer than
+        ``group`` tokens after them are read in full precision (KIVI's residual; not counted
+        in :meth:`bits_per_token`).
     """
 
     name: ClassVar[str] = "quant"
@@ -74,4 +77,9 @@ class QuantProxy(Proxy):
                end: int) -> np.ndarray:
         Kq = self._cached(trace, kv_head, lambda: quantise_keys(trace.keys[kv_head], self.bits,
                                                                  self.group))
-        return (queries @ Kq[:end].T) * trace.scale
+        # Only groups complete before the step are quantised (their zero point and step read
+        # no later key); the partial group at the end stays in full precision, as KIVI keeps
+        # its residual tokens (with window >= group these are all in the take-all window).
+        full = (end // self.group) * self.group
+        K = np.concatenate([Kq[:full], trace.keys[kv_head, full:end]])
+        return (queries @ K.T) * trace.scale
