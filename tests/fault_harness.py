@@ -127,3 +127,49 @@ def run_cases(cases: list[dict]) -> dict[str, Any]:
                         "message": err.getvalue().strip() or out.getvalue().strip(),
                         "seconds": time.process_time() - t0})
     return {"cases": results, "vmhwm_kb": _vmhwm_kb()}
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def run_suite(module: str, root: Path, build_inputs, all_cases) -> dict[str, Any]:
+    """Build the inputs under ``root/in``, run every case in one capped child, snapshot the
+    inputs before and after: what the suite's tests then judge."""
+    paths = build_inputs(root / "in")
+    cases = all_cases(paths)
+    before = snapshot(root / "in")
+    doc, wall = run_child(module, root, cases)
+    return {"root": root, "paths": paths, "cases": cases, "doc": doc, "before": before,
+            "after": snapshot(root / "in"), "wall": wall}
+
+
+def check_family(run: dict[str, Any], family: str, min_cases: int, tag: str) -> None:
+    """Every case of ``family`` is right (:func:`problems`); prints the family's figures."""
+    by_name = {r["name"]: r for r in run["doc"]["cases"]}
+    cases = [c for c in run["cases"] if c["family"] == family]
+    assert len(cases) >= min_cases
+    bad = []
+    for case in cases:
+        result = by_name[case["name"]]
+        found = problems(case, result)
+        if found:
+            bad.append(f"{case['name']}: {', '.join(found)}: {result['message'][-300:]!r}")
+    slowest = max(by_name[c["name"]]["seconds"] for c in cases)
+    print(f"\n[{tag}] family {family}: {len(cases) - len(bad)}/{len(cases)} exit 2 naming the "
+          f"file and field; slowest {slowest:.2f} s CPU (limit {LIMIT_S:.0f} s)")
+    assert not bad, "\n".join(bad)
+
+
+def check_memory_and_inputs(run: dict[str, Any], tag: str) -> list[str]:
+    """The child's peak stayed under the cap and every earlier file is byte-identical; returns
+    the files that are new under the inputs (for the suite to judge)."""
+    kb = run["doc"]["vmhwm_kb"]
+    print(f"\n[{tag}] {len(run['cases'])} cases in one child: peak RSS {kb / 1024:.0f} MiB "
+          f"(cap {MEMORY_CAP >> 20} MiB), {run['wall']:.1f} s wall, load "
+          f"{os.getloadavg()[0]:.1f}")
+    assert 0 < kb * 1024 < MEMORY_CAP
+    before, after = run["before"], run["after"]
+    assert set(before) <= set(after), sorted(set(before) - set(after))
+    changed = [k for k in before if before[k] != after[k]]
+    assert not changed, changed
+    return sorted(set(after) - set(before))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_harness import LIMIT_S, MEMORY_CAP, problems, run_child, snapshot
+from tests.fault_harness import LIMIT_S, check_family, check_memory_and_inputs, run_suite
 from tests.hostile_cases import FAMILIES, all_cases, build_inputs, laughs
 from tracesim.errors import UsageError
 
@@ -27,44 +27,19 @@ from tracesim.errors import UsageError
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
     """Inputs, every case, and the child's results (run once for the module)."""
-    root = tmp_path_factory.mktemp("hostile")
-    paths = build_inputs(root / "in")
-    cases = all_cases(paths)
-    before = snapshot(root / "in")
-    doc, wall = run_child("tests.hostile_cases", root, cases)
-    return {"root": root, "paths": paths, "cases": cases, "doc": doc, "before": before,
-            "after": snapshot(root / "in"), "wall": wall}
+    return run_suite("tests.hostile_cases",
+                     tmp_path_factory.mktemp("hostile"),
+                     build_inputs, all_cases)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_exits_2_naming_file_and_field(hostile, family):
-    by_name = {r["name"]: r for r in hostile["doc"]["cases"]}
-    cases = [c for c in hostile["cases"] if c["family"] == family]
-    assert len(cases) >= 7
-    bad = []
-    for case in cases:
-        result = by_name[case["name"]]
-        found = problems(case, result)
-        if found:
-            bad.append(f"{case['name']}: {', '.join(found)}: {result['message'][-300:]!r}")
-    slowest = max(by_name[c["name"]]["seconds"] for c in cases)
-    print(f"\n[hostile] family {family}: {len(cases) - len(bad)}/{len(cases)} exit 2 naming "
-          f"the file and field; slowest {slowest:.2f} s")
-    assert not bad, "\n".join(bad)
+    check_family(hostile, family, 7, "hostile")
 
 
 def test_peak_memory_and_earlier_outputs(hostile):
-    kb = hostile["doc"]["vmhwm_kb"]
-    print(f"\n[hostile] {len(hostile['cases'])} cases in one child: peak RSS {kb / 1024:.0f} MiB "
-          f"(cap {MEMORY_CAP >> 20} MiB), {hostile['wall']:.1f} s wall, load "
-          f"{os.getloadavg()[0]:.1f}")
-    assert 0 < kb * 1024 < MEMORY_CAP
-    before, after = hostile["before"], hostile["after"]
-    assert set(before) <= set(after), sorted(set(before) - set(after))
-    changed = [k for k in before if before[k] != after[k]]
-    assert not changed, changed
+    new = check_memory_and_inputs(hostile, "hostile")
     root = Path(hostile["paths"]["root"])
-    new = sorted(set(after) - set(before))
     # nothing new inside an input; a refused command may at most leave its own outs/ entry
     assert all(k.startswith("outs/") for k in new), new
     for name in ("store", "results", "export"):

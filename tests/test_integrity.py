@@ -15,49 +15,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_harness import LIMIT_S, MEMORY_CAP, problems, run_child, snapshot
+from tests.fault_harness import check_family, check_memory_and_inputs, run_suite
 from tests.integrity_cases import FAMILIES, all_cases, build_inputs
 
 
 @pytest.fixture(scope="module")
 def integrity(tmp_path_factory):
     """Inputs, every case, and the child's results (run once for the module)."""
-    root = tmp_path_factory.mktemp("integrity")
-    paths = build_inputs(root / "in")
-    cases = all_cases(paths)
-    before = snapshot(root / "in")
-    doc, wall = run_child("tests.integrity_cases", root, cases)
-    return {"root": root, "paths": paths, "cases": cases, "doc": doc, "before": before,
-            "after": snapshot(root / "in"), "wall": wall}
+    return run_suite("tests.integrity_cases",
+                     tmp_path_factory.mktemp("integrity"),
+                     build_inputs, all_cases)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_exits_2_naming_file_and_field(integrity, family):
-    by_name = {r["name"]: r for r in integrity["doc"]["cases"]}
-    cases = [c for c in integrity["cases"] if c["family"] == family]
-    assert len(cases) >= 5
-    bad = []
-    for case in cases:
-        result = by_name[case["name"]]
-        found = problems(case, result)
-        if found:
-            bad.append(f"{case['name']}: {', '.join(found)}: {result['message'][-300:]!r}")
-    slowest = max(by_name[c["name"]]["seconds"] for c in cases)
-    print(f"\n[integrity] family {family}: {len(cases) - len(bad)}/{len(cases)} exit 2 naming "
-          f"the file and field; slowest {slowest:.2f} s (limit {LIMIT_S:.0f} s)")
-    assert not bad, "\n".join(bad)
+    check_family(integrity, family, 5, "integrity")
 
 
 def test_peak_memory_and_earlier_outputs(integrity):
-    kb = integrity["doc"]["vmhwm_kb"]
-    print(f"\n[integrity] {len(integrity['cases'])} cases in one child: peak RSS "
-          f"{kb / 1024:.0f} MiB (cap {MEMORY_CAP >> 20} MiB), {integrity['wall']:.1f} s wall")
-    assert 0 < kb * 1024 < MEMORY_CAP
-    before, after = integrity["before"], integrity["after"]
-    assert set(before) <= set(after), sorted(set(before) - set(after))
-    changed = [k for k in before if before[k] != after[k]]
-    assert not changed, changed
-    new = sorted(set(after) - set(before))
+    new = check_memory_and_inputs(integrity, "integrity")
     # a refused command leaves nothing new but its own outs/ entry (and lock files)
     assert all(k.startswith("outs/") or k.endswith(".tracesim.lock") for k in new), new
 
@@ -125,3 +101,24 @@ def test_trust_unsigned_reports_with_a_warning(integrity, tmp_path):
     assert len(df) > 0 and len(notes) == 1 and "UNSIGNED" in notes[0]
     df2, summary = load_results(integrity["paths"]["replay"])  # signed by replay itself
     assert summary["n_rows"] == len(df2)
+
+
+def test_a_summary_with_mistyped_config_ids_is_a_user_error(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tracesim.errors import UsageError
+    from tracesim.integrity import sign_results, verify_results
+
+    path = tmp_path / "results.parquet"
+    table = pa.table({"config_id": ["a"], "score": ["s"], "design": ["d"], "sequence_id": ["q"],
+                      "layer": [0], "head": [0], "query_index": [0], "err2": [0.1],
+                      "wald_cov": [1.0]})
+    pq.write_table(table, path)
+    doc = sign_results(path)
+    doc["config_ids"] = [[1]]  # hostile: a list inside the list
+    (tmp_path / "summary.json").write_text(json.dumps(doc))
+    with pytest.raises(UsageError, match="'config_ids' is not a list of strings"):
+        verify_results(path, table, doc, tmp_path / "summary.json")

@@ -183,6 +183,11 @@ def verify_results(path: str | Path, table: pa.Table, summary: dict[str, Any] | 
             raise UsageError(f"{summary_path}: field 'results_sha256' is "
                              f"{record['results_sha256']}, expected {digest} (the sha256 of "
                              f"{path.name}: the results changed after the summary was written)")
+        cids = record.get("config_ids")
+        if cids is not None and not (isinstance(cids, list)
+                                     and all(isinstance(c, str) for c in cids)):
+            raise UsageError(f"{summary_path}: field 'config_ids' is not a list of strings, "
+                             "expected the configuration ids of the results")
         if record.get("n_rows") != table.num_rows:
             raise UsageError(f"{summary_path}: field 'n_rows' is {record.get('n_rows')!r}, "
                              f"expected {table.num_rows} (the rows of {path.name})")
