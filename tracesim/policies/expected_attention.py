@@ -86,19 +86,26 @@ class ExpectedAttentionScore(Score):
         for h in heads:
             acc += expected_attention(keys, trace.queries[h, idx], trace.scale,
                                       self.use_covariance)
-        x = acc / len(heads)
-        if self.use_vnorm:
-            x = (x + float(self.epsilon)) * np.linalg.norm(trace.values[kv_head, lo:end], axis=1)
-        out = np.empty(end)
-        out[lo:] = x
-        out[:lo] = x.max() + 1.0 if x.size else 1.0
-        return out
+        return finish_scores(self, acc / len(heads), trace, kv_head, lo, end)
 
 
 # ----------------------------------------------------------------------------- RoPE (kvpress)
 
 #: RoPE types whose frequencies depend on the model only (not on the sequence length).
 ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def finish_scores(score, x: np.ndarray, trace: LayerTrace, kv_head: int, lo: int,
+                  end: int) -> np.ndarray:
+    """Scores of ``[0, end)`` from the expected attention ``x`` of ``[lo, end)``: weighted by
+    ``(x + epsilon) |v|`` with ``use_vnorm``, and the protected prefix ``[0, lo)`` above every
+    other score (shared by the tracesim score and the kvpress press)."""
+    if score.use_vnorm:
+        x = (x + float(score.epsilon)) * np.linalg.norm(trace.values[kv_head, lo:end], axis=1)
+    out = np.empty(end)
+    out[lo:] = x
+    out[:lo] = x.max() + 1.0 if x.size else 1.0
+    return out
 
 
 def rope_inv_freq(head_dim: int, rope: dict) -> np.ndarray:

@@ -26,6 +26,7 @@ from tracesim.policies.expected_attention import (
     ExpectedAttentionScore,
     average_rope,
     expected_attention,
+    finish_scores,
     rope_inv_freq,
     unrotate,
 )
@@ -271,13 +272,7 @@ class ExpectedAttentionPressScore(KVPressRules, ExpectedAttentionScore):
         for h in heads:
             pre = unrotate(trace.queries[h, idx], trace.query_positions[idx], inv)
             acc += expected_attention(keys, pre @ rot.T, d**-0.5, self.use_covariance)
-        x = acc / len(heads)
-        if self.use_vnorm:
-            x = (x + float(self.epsilon)) * np.linalg.norm(trace.values[kv_head, lo:end], axis=1)
-        out = np.empty(end)
-        out[lo:] = x
-        out[:lo] = x.max() + 1.0 if x.size else 1.0
-        return out
+        return finish_scores(self, acc / len(heads), trace, kv_head, lo, end)
 
 
 #: kvpress scoring rules ported as tracesim scores (built-ins, one module each).
