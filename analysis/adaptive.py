@@ -119,7 +119,7 @@ def _one_sided(values: pd.Series, clusters: pd.Series,
 
 
 def _matches(meta: pd.Series, want: dict) -> bool:
-    from tracesim.sweep.grid import parse_schedule
+    from tracesim.policies.grid import parse_schedule
 
     params = json.loads(meta["score_params"]) if meta["score"] == "perstep" else {}
     if "schedule" in want:

@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = ap.parse_args(argv)
     import torch
 
-    from capture.evict import decode_policy, layer_plans, prefill_sequence
-    from capture.fetch import FetchConfig
+    from capture.inloop.evict import decode_policy, layer_plans, prefill_sequence
+    from capture.inloop.fetch import FetchConfig
     from capture.models import load_model, model_info
     from tracesim.policies import make_policy
 

@@ -124,7 +124,7 @@ def plans_for(n_layers: int, n_kv: int, P: int, budget: float, kind: str, seed: 
     by random heavy-tailed scores: top-k, or Poisson capped-PPS at the same expected size."""
     import torch
 
-    from capture.enforce import LayerPlan
+    from capture.inloop.enforce import LayerPlan
     from tracesim.designs import inclusion_probabilities
 
     rng = np.random.default_rng(seed)
@@ -159,9 +159,9 @@ def decode_steps(args: argparse.Namespace) -> dict:
     import torch
 
     from capture.attention import recording
-    from capture.enforce import EvictionState
-    from capture.evict import _restore
     from capture.generate import decode_greedy, prefill
+    from capture.inloop.enforce import EvictionState
+    from capture.inloop.evict import _restore
 
     model = llama_shaped(args)
     P = args.context

@@ -168,7 +168,8 @@ class CaptureState:
     ) -> torch.Tensor | None:
         """Compute this call's attention output ``(1, q_len, H, D)`` instead of SDPA, or None.
 
-        The default defers to SDPA; :class:`capture.enforce.EvictionState` computes decode steps
+        The default defers to SDPA;
+        :class:`capture.inloop.enforce.EvictionState` computes decode steps
         itself so that their certificates come out of the same pass.
         """
         return None

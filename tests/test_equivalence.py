@@ -11,10 +11,10 @@ from tests.replay_fixtures import build_store
 from tracesim.cli import main as cli_main
 from tracesim.policies import make_policy, policy_grid
 from tracesim.policies.equivalence import budget_warnings, effective_key, merge_score_free
+from tracesim.policies.grid import BudgetWarning
 from tracesim.replay import replay
 from tracesim.store import open_store
 from tracesim.sweep import expand_grid
-from tracesim.sweep.grid import BudgetWarning
 
 SP = {"window": 4, "sinks": 2}
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from capture.evict import decode_policy, failure_label, layer_plans, prefill_sequence
+from capture.inloop.evict import decode_policy, failure_label, layer_plans, prefill_sequence
 from tests.evict_fixtures import prefilled
 from tracesim import hajek_attention, output_space_certificate
 from tracesim.policies import make_policy
@@ -45,8 +45,8 @@ def test_simulator_and_model_agree_on_kept_sets_outputs_and_certificates(
     """Same kept sets; at the first decode step the model's enforced attention outputs and its
     serving-time certificates equal tracesim's estimator on the same cache, in every layer; and
     in layer 0 (whose query no eviction has touched yet) they equal the replay engine's."""
-    import capture.evict as ev
-    from capture.enforce import EvictionState
+    import capture.inloop.evict as ev
+    from capture.inloop.enforce import EvictionState
 
     store, loaded, seq, meta, P, pre = prefilled(tiny_store)
     policy = make_policy(score, design, budget, score_params={"window": 8})
@@ -182,7 +182,7 @@ def test_failure_labels():
 def test_run_evict_writes_outcomes_and_resumes(tiny_store, tmp_path):
     import pyarrow.parquet as pq
 
-    from capture.evict_run import run_evict
+    from capture.inloop.evict_run import run_evict
 
     path, loaded = tiny_store
     policies = [make_policy("snapkv", "poisson", 0.3, score_params={"window": 8}),
@@ -239,7 +239,7 @@ def test_evict_sigkill_then_rerun_and_rekeyed_resume(tiny_store, tmp_path):
 
     import pyarrow.parquet as pq
 
-    from capture.evict_run import run_evict
+    from capture.inloop.evict_run import run_evict
     from tracesim.atomic import DirLock
     from tracesim.cli import main
 
@@ -284,7 +284,7 @@ def test_evict_sigkill_then_rerun_and_rekeyed_resume(tiny_store, tmp_path):
 def test_evict_prefills_with_the_stores_capture_window(tmp_path, tiny_store):
     # A store captured with a 40-query window: SnapKV reading 40 window queries runs in the
     # loop (the prefill used to record the default 32 and refused).
-    from capture.evict_run import run_evict
+    from capture.inloop.evict_run import run_evict
     from capture.runner import CaptureConfig, run_capture
 
     _, loaded = tiny_store

@@ -222,8 +222,8 @@ def test_prereg_c8_errors_name_the_field(tmp_path):
 
 
 def test_study_specs_are_valid_grids_pointed_at_the_study_traces(tmp_path):
+    from tracesim.policies.grid import parse_grid
     from tracesim.study import SPECS, study_spec
-    from tracesim.sweep.grid import parse_grid
 
     for name in SPECS:
         spec = study_spec(name, tmp_path / "out", tmp_path / "traces")

@@ -135,7 +135,7 @@ def test_reader_refuses_special_files(tmp_path):
 
 
 def test_grid_list_shares_one_configuration_budget():
-    from tracesim.sweep.grid import SpecError, expand_grid
+    from tracesim.policies.grid import SpecError, expand_grid
 
     one = {"score": ["snapkv", "h2o"], "design": ["topk", "poisson"],
            "budget": [0.1, 0.2, 0.3, 0.4, 0.5]}

@@ -15,6 +15,7 @@ import pytest
 
 from tests.replay_fixtures import synthetic_trace
 from tracesim.policies import make_policy, make_score
+from tracesim.policies.grid import expand_grid
 from tracesim.proxies import (
     ExactProxy,
     LowRankProxy,
@@ -27,7 +28,6 @@ from tracesim.proxies import (
 )
 from tracesim.replay import ReplayOptions, replay_layer
 from tracesim.replay.inclusion import event_uniforms, seed_uniforms
-from tracesim.sweep.grid import expand_grid
 
 PROXY_SPECS = ("exact", "quant:4", "quant:1", "lowrank:4", "pages:4", "simhash:4,32")
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from capture.prn_torch import permanent_uniforms_torch
+from capture.inloop.prn_torch import permanent_uniforms_torch
 from tracesim.prn import STREAM_PERTURBATION, permanent_uniforms
 
 

@@ -200,7 +200,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _check_args(args: argparse.Namespace) -> tuple[float, ...]:
     """Every check that needs no file (finite numbers, bounded counts); the parsed --grid."""
     from tracesim.counts import SEEDS, SUMMARY_PAGE, check_finite
-    from tracesim.sweep.grid import MAX_INT_PARAM, MAX_TOKENS
+    from tracesim.policies.grid import MAX_INT_PARAM, MAX_TOKENS
 
     check_finite(args.budget, "--budget", 0.0, float(MAX_TOKENS), open_lo=True)
     if args.budget > 1 and not float(args.budget).is_integer():

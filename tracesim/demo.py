@@ -87,13 +87,13 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
              model: str = "smollm2", allow_prereg_change: bool = False) -> Path:
     """Run every stage; return the path of ``report.html``."""
     from analysis.report import build_report, write_report
-    from capture.evict_run import run_evict
+    from capture.inloop.evict_run import run_evict
     from capture.runner import accuracy_table, run_capture
     from tracesim.adversary import impossibility_demo
+    from tracesim.policies.grid import parse_grid
     from tracesim.replay import load_layer
     from tracesim.store import open_store
     from tracesim.sweep import run_sweep
-    from tracesim.sweep.grid import parse_grid
 
     if scale == "calibration":
         from tracesim.study import run_calibration_study

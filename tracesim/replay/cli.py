@@ -27,7 +27,7 @@ def _csv(kind):
 
 def _budget(text: str) -> tuple[float, str]:
     """A ``--budget`` item, read with the sweep spec's rule (integers are token counts)."""
-    from tracesim.sweep.grid import _budget as spec_budget
+    from tracesim.policies.grid import parse_budget as spec_budget
 
     try:
         value: float = int(text) if text.lstrip("+").isdigit() else float(text)
@@ -180,7 +180,7 @@ def _check_args(args: argparse.Namespace) -> Path:
     """Every argument check that needs no file: raise UsageError before anything is opened."""
     from tracesim.counts import LAYER_INDEX, LAYERS, SEEDS, SEQUENCES, SUMMARY_PAGE
     from tracesim.errors import UsageError, check_int, check_out_dir, check_threads
-    from tracesim.sweep.grid import parse_schedule
+    from tracesim.policies.grid import parse_schedule
 
     SEEDS.check(args.seeds, "--seeds")
     if args.layers is not None:

@@ -6,7 +6,7 @@
 
 A sweep spec (YAML, ``yaml.safe_load`` only) names trace stores, a sequence filter, layers, a
 grid of policies, seeds and what to record (:mod:`tracesim.sweep.spec`,
-:mod:`tracesim.sweep.grid`). The sweep is partitioned into tasks (one sequence × a chunk of
+:mod:`tracesim.policies.grid`). The sweep is partitioned into tasks (one sequence × a chunk of
 layers × a chunk of configurations, :mod:`tracesim.sweep.tasks`), each writing one Parquet file
 atomically under a deterministic name; a local process pool or Dask runs them
 (:mod:`tracesim.sweep.backends`); a rerun skips finished tasks; the last step compacts the
@@ -16,8 +16,8 @@ task files into ``results/results.parquet`` plus ``results/summary.json``
 
 from __future__ import annotations
 
+from tracesim.policies.grid import GRID_KEYS, SpecError, expand_grid, parse_grid
 from tracesim.sweep.dryrun import calibrate, describe
-from tracesim.sweep.grid import GRID_KEYS, SpecError, expand_grid, parse_grid
 from tracesim.sweep.run import SweepSummary, run_sweep
 from tracesim.sweep.spec import SPEC_KEYS, SweepSpec, load_spec, parse_spec
 from tracesim.sweep.tasks import Task, TaskPlan, plan_tasks, sweep_schema

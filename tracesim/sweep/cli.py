@@ -86,7 +86,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         return 2
     import warnings
 
-    from tracesim.sweep.grid import BudgetWarning
+    from tracesim.policies.grid import BudgetWarning
 
     try:
         with warnings.catch_warnings(record=True) as caught:

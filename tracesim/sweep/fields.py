@@ -1,7 +1,7 @@
 """Field validators of a sweep spec (``layers``, ``seeds``, ``options``, ``prereg``, ...).
 
 Each takes the raw value and ``where`` (``<file>: <key>``) and raises
-:class:`~tracesim.sweep.grid.SpecError` naming it; counts use the shared bounds of
+:class:`~tracesim.policies.grid.SpecError` naming it; counts use the shared bounds of
 :mod:`tracesim.counts`, checked before anything is expanded.
 """
 
@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from tracesim.counts import LAYER_INDEX, LAYERS, SEED_VALUE, SEEDS
+from tracesim.policies.grid import SpecError
 from tracesim.replay.engine import ReplayOptions
-from tracesim.sweep.grid import SpecError
 
 __all__ = ["MAX_LAYER", "MAX_SEED", "MAX_SEEDS"]
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from tracesim.counts import SEQUENCES
 from tracesim.policies import Policy
+from tracesim.policies.grid import SpecError, expand_grid
 from tracesim.replay.engine import ReplayOptions
 from tracesim.sweep.fields import (  # noqa: F401 - MAX_* are part of this module's API
     MAX_LAYER,
@@ -31,7 +32,6 @@ from tracesim.sweep.fields import (  # noqa: F401 - MAX_* are part of this modul
     _str_list,
     _type_name,
 )
-from tracesim.sweep.grid import SpecError, expand_grid
 
 __all__ = ["SPEC_KEYS", "SWEEP_FORMAT", "SequenceFilter", "SpecError", "StoreRef", "SweepSpec",
            "code_fingerprint", "load_spec", "parse_spec", "selected_sequences"]
@@ -46,7 +46,7 @@ SPEC_KEYS: dict[str, str] = {
     "store": "trace store path, list of paths, or list of {path, name}",
     "sequences": "filter {ids: [...], tasks: [...], limit: N} (default: every sequence)",
     "layers": "'all' (default), an int, a list of ints, or {start, stop, step}",
-    "grid": "the policy grid (see tracesim.sweep.grid)",
+    "grid": "the policy grid (see tracesim.policies.grid)",
     "seeds": "number of seeds n (0..n-1) or a list of distinct ints (default 32)",
     "record": "'aggregated' (default: means over seeds) or 'per_seed'",
     "options": "replay options {alpha, output_space, satterthwaite, roles, precision}",

@@ -36,7 +36,7 @@ import numpy as np
 
 from tracesim.counts import LAYER_INDEX, LAYERS, SEED_VALUE, SEQUENCES, TIERS_SEEDS, Count
 from tracesim.policies import Policy
-from tracesim.sweep.grid import parse_grid
+from tracesim.policies.grid import parse_grid
 from tracesim.tiers.model import MemoryModel, TierError, memory_model_from_dict
 from tracesim.tiers.schedulers import SCHEDULERS
 

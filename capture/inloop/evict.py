@@ -5,7 +5,7 @@ H2O statistics), which yields exactly the per-layer :class:`~tracesim.policies.L
 offline simulator would read from a trace store. Every (policy, seed) then gets its kept sets from
 the replay engine's own code (:func:`tracesim.replay.inclusion.first_event_inclusion`) and the
 same permanent random numbers (bit-identical torch port), is enforced as an attention bias
-(:mod:`capture.enforce`), and decodes greedily from a copy of the prefill cache. The cache is
+(:mod:`capture.inloop.enforce`), and decodes greedily from a copy of the prefill cache. The cache is
 cropped back to the prompt between configurations, so a grid costs one prefill plus one short
 decode per configuration.
 
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from capture.attention import CaptureState, attention_modules, recording
-from capture.enforce import EvictionState, LayerPlan
 from capture.generate import decode_greedy, prefill
+from capture.inloop.enforce import EvictionState, LayerPlan
+from capture.inloop.prn_torch import permanent_uniforms_torch
 from capture.models import rope_info
-from capture.prn_torch import permanent_uniforms_torch
 from capture.runner import query_roles
 from capture.tasks import grade
 from tracesim.policies import LayerTrace, Policy
@@ -172,8 +172,8 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
 
     With a decode-time ``policy`` (``schedule="decode:K"``) every layer is re-planned at each
     event from what exists then, with the nested rule (``kept while u < min pi``). With a
-    :class:`capture.fetch.FetchConfig` (one-shot plans only) every decode step and layer also
-    fetches evicted pages by that scheduler (:class:`capture.fetch.FetchState`).
+    :class:`capture.inloop.fetch.FetchConfig` (one-shot plans only) every decode step and layer also
+    fetches evicted pages by that scheduler (:class:`capture.inloop.fetch.FetchState`).
     """
     P = prefill.prompt_length
     events: set[int] = set()
@@ -194,7 +194,7 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
             return out
 
     if fetch is not None:
-        from capture.fetch import FetchState
+        from capture.inloop.fetch import FetchState
 
         if replan is not None:
             raise ValueError("fetch: in-loop fetches need one-shot eviction (schedule: oneshot)")

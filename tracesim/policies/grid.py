@@ -116,7 +116,7 @@ def _names(value: Any, where: str, registry: Any, kind: str) -> list[str]:
     return out
 
 
-def _budget(value: Any, where: str) -> tuple[float, str]:
+def parse_budget(value: Any, where: str) -> tuple[float, str]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(where, f"{value!r} is not a budget; give a fraction in (0, 1] (e.g. 0.25) "
                            "or a token count (an integer >= 1)")
@@ -291,7 +291,7 @@ def _expand_one(grid: Any, where: str, limit: int = MAX_GRID) -> GridExpansion:
     corrections = _names(grid.get("correction", "auto"), f"{where}.correction",
                          CORRECTIONS + ("auto",), "correction")
     raw_b = grid.get("budget", 1.0)
-    budgets = [_budget(b, f"{where}.budget[{i}]" if isinstance(raw_b, list) else
+    budgets = [parse_budget(b, f"{where}.budget[{i}]" if isinstance(raw_b, list) else
                        f"{where}.budget") for i, b in enumerate(_as_list(raw_b,
                                                                          f"{where}.budget"))]
     allocators = _names(grid.get("allocator", "uniform"), f"{where}.allocator",

@@ -14,7 +14,8 @@ At each decode step it also computes, in torch, from what the cache retains only
   through each group's Gram matrix ``W_g^T W_g``.
 
 By default a certified decode step computes the attention output and both certificates in one
-blocked pass over the cache (:func:`capture.onepass.onepass_attention`, online-softmax rescaling
+blocked pass over the cache (:func:`capture.inloop.onepass.onepass_attention`,
+online-softmax rescaling
 of ``sum c``, ``sum c v`` and ``sum c ||v||^2``), instead of SDPA followed by a second pass over
 the residuals ``v_i - o_hat`` (:func:`serving_certificates`, kept as the reference and used with
 ``one_pass=False``). Both match the offline estimator to float32 rounding.
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from capture.attention import CaptureState
-from capture.onepass import onepass_attention, pair_quadratic_forms
+from capture.inloop.onepass import onepass_attention, pair_quadratic_forms
 
 __all__ = ["EvictionState", "LayerPlan", "serving_certificates"]
 

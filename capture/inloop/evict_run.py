@@ -75,7 +75,7 @@ def run_evict(
         A trace store (its token ids, prompt boundaries, gold answers and full-cache outcome are
         used; tensors are not).
     policies : sequence of tracesim.policies.Policy
-        One-shot or decode-time policies (see :func:`tracesim.sweep.grid.parse_grid` for the
+        One-shot or decode-time policies (see :func:`tracesim.policies.grid.parse_grid` for the
         YAML grammar).
     seeds : int or sequence of int
         Seeds for randomized policies (deterministic ones run once, seed -1).
@@ -87,7 +87,7 @@ def run_evict(
         Default: the full-cache run's number of generated tokens.
     layer_certificate : bool
         Also compute the per-layer output-space certificate at every decode step.
-    fetch : sequence of capture.fetch.FetchConfig, optional
+    fetch : sequence of capture.inloop.fetch.FetchConfig, optional
         In-loop fetch configurations (scheduler, byte budget, memory model): every evicting
         policy and seed runs once per configuration, fetching evicted pages at every decode
         step and layer (docs/tiers.md, "In the loop"); policies that evict nothing run once,
@@ -174,7 +174,7 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
     import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
-    from capture.evict import decode_policy, layer_plans, outcome_row, prefill_sequence
+    from capture.inloop.evict import decode_policy, layer_plans, outcome_row, prefill_sequence
     from capture.runner import eos_token_ids
     from tracesim.columns import describe_table, nullify_rows
 
@@ -214,7 +214,7 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
                                 fetch=fc)
             row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers)
             if fetch:
-                from capture.fetch import fetch_columns
+                from capture.inloop.fetch import fetch_columns
 
                 row.update(fetch_columns(fc, res.fetch_log))
             row["decode_seconds"] = time.perf_counter() - t0
@@ -271,8 +271,8 @@ def _command(args: argparse.Namespace) -> int:
     from tracesim.counts import SEEDS
     from tracesim.errors import UsageError
     from tracesim.outpaths import check_output
+    from tracesim.policies.grid import parse_grid
     from tracesim.safeio import read_yaml
-    from tracesim.sweep.grid import parse_grid
 
     check_output(args.out, [("trace store", args.traces), ("evict grid", args.grid),
                             ("tiers spec", args.tiers_spec)])
@@ -331,7 +331,7 @@ def _fetch_configs(args: argparse.Namespace) -> list[Any] | None:
         except OSError as exc:
             raise UsageError(f"--tiers-spec {args.tiers_spec}: cannot read it "
                              f"({exc.strerror or exc}), expected a YAML file") from None
-    from capture.fetch import FetchConfig  # torch: imported once every input is checked
+    from capture.inloop.fetch import FetchConfig  # torch: imported once every input is checked
 
     configs = []
     for s in dict.fromkeys(scheds):

@@ -1,0 +1,17 @@
+"""The in-loop evaluator: tracesim's policies enforced inside the model, outcomes recorded.
+
+Downstream of :mod:`tracesim.policies` (kept sets), :mod:`tracesim.replay` (the same inclusion
+code and permanent random numbers) and :mod:`tracesim.tiers` (the memory model); upstream only of
+:mod:`analysis`. The recorder in :mod:`capture` never imports this package.
+
+- :mod:`capture.inloop.evict` -- prefill once, then decode every configuration from that cache;
+- :mod:`capture.inloop.evict_run` -- the ``tracesim evict`` subcommand: grid, resume, outcomes;
+- :mod:`capture.inloop.enforce` -- kept sets as an attention bias, the Hájek offset, serving
+  certificates;
+- :mod:`capture.inloop.onepass` -- one-pass attention with the certificate's quadratic forms;
+- :mod:`capture.inloop.fetch` -- decode with a lower tier: pages fetched per step, modelled time;
+- :mod:`capture.inloop.prn_torch` -- a bit-exact torch port of :mod:`tracesim.prn`.
+
+Importing this package imports nothing heavy; its modules (but ``evict_run``'s top level) import
+torch.
+"""
