@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracesim.provenance import prereg_sha256
+
 __all__ = ["CLAIM_IDS", "PreregChangedError", "Preregistration", "check_prereg_hash",
            "load_prereg", "prereg_hash"]
 
@@ -35,9 +37,7 @@ class Preregistration:
 
 def prereg_hash(path: str | Path) -> str:
     """``sha256:<hex>`` of the file's bytes (what results summaries record)."""
-    from tracesim.safeio import hash_file
-
-    return hash_file(path, what="pre-registration file")
+    return prereg_sha256(path)
 
 
 def load_prereg(path: str | Path) -> Preregistration:

@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from tests.sweep_fixtures import SPEC_TEXT, build_sweep_store
+from tracesim.provenance import sha256_file
 from tracesim.replay import replay
 from tracesim.store import open_store
 from tracesim.sweep import load_spec, plan_tasks, run_sweep, worker
-from tracesim.sweep.compact import sha256_file
 from tracesim.sweep.worker import execute_task, write_configs
 
 KEYS = ["store", "sequence_id", "layer", "config_id", "head", "query_index", "seed"]

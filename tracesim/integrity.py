@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from tracesim.errors import UsageError
+from tracesim.provenance import sha256_file
 
 __all__ = ["KEY_COLUMNS", "OUTCOME_COLUMNS", "OUTCOME_KEYS", "RECORD_FIELDS",
            "REQUIRED_COLUMNS", "file_sha256", "results_record", "sign_results",
@@ -51,9 +52,7 @@ _KINDS = {"string": (pa.types.is_string, pa.types.is_large_string, pa.types.is_d
 def file_sha256(path: str | Path) -> str:
     """``sha256:<hex>`` of a results file (regular files only; no size limit: a results file is
     read whole anyway)."""
-    from tracesim.safeio import hash_file
-
-    return hash_file(path, limit=None, what="results file")
+    return sha256_file(path, "results file")
 
 
 def results_record(path: str | Path, n_rows: int, config_ids: Iterable[str]) -> dict[str, Any]:

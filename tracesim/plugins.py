@@ -35,6 +35,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tracesim.provenance import source_digest
+
 __all__ = ["DESIGN_GROUP", "SCORE_GROUP", "Registry", "plugin_provenance", "provenance",
            "register_design", "register_score"]
 
@@ -225,16 +227,13 @@ def source_hash(cls: type) -> str:
     """``sha256:<hex>`` of the source files (as on disk now) of the package defining ``cls``."""
     module = sys.modules.get(cls.__module__)
     files = _source_files(module) if module is not None else []
-    h = hashlib.sha256()
     if files:
-        root = files[0].parent
-        for f in files:
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    else:  # defined interactively: hash what inspect can see
-        try:
-            h.update(inspect.getsource(cls).encode())
-        except (OSError, TypeError):
-            h.update(cls.__qualname__.encode())
+        return "sha256:" + source_digest(files[0].parent, files)
+    h = hashlib.sha256()  # defined interactively: hash what inspect can see
+    try:
+        h.update(inspect.getsource(cls).encode())
+    except (OSError, TypeError):
+        h.update(cls.__qualname__.encode())
     return "sha256:" + h.hexdigest()
 
 

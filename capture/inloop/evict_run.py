@@ -16,18 +16,25 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tracesim.provenance import prereg_record, safe_file_stem
+
 __all__ = ["register", "run_evict"]
 
 
+# Letters and digits of any script are kept (the names of runs written before the shared helper).
+_UNSAFE_PART_CHARS = re.compile(r"[^\w.-]")
+
+
 def _safe_name(sequence_id: str) -> str:
-    digest = hashlib.sha256(sequence_id.encode()).hexdigest()[:12]
-    clean = "".join(c if c.isalnum() or c in "-_." else "_" for c in sequence_id)[:80]
-    return f"{clean}-{digest}.parquet"
+    """The parts file of a sequence (always digest-suffixed)."""
+    return safe_file_stem(sequence_id, max_chars=80, digest_chars=12, unsafe=_UNSAFE_PART_CHARS,
+                          always_digest=True) + ".parquet"
 
 
 def _write_atomic(table: Any, path: Path) -> None:
@@ -232,11 +239,9 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
         "policies": [p.id for p in policies], "seeds": seed_list, "run_key": key,
         "wall_seconds": time.time() - start,
     }
-    from tracesim.sweep.compact import find_prereg, sha256_file
-
-    prereg = find_prereg(None, str(store_path))
+    prereg = prereg_record(None, str(store_path))
     if prereg is not None:
-        summary["prereg"] = {"path": str(prereg), "sha256": sha256_file(prereg)}
+        summary["prereg"] = prereg
     if table.num_rows:
         df = table.select(["config_id", "correct", "full_correct"]).to_pandas()
         if fetch:  # the configurations as they run without fetching (scheduler none or null)

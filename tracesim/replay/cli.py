@@ -263,13 +263,11 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
 
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite, precision=args.precision)
-    from tracesim.sweep.compact import find_prereg, sha256_file
+    from tracesim.provenance import prereg_record
 
     # hashed before any result is written: a prereg that cannot be read (a FIFO, a /proc
     # file) fails the run while the earlier outputs are still the earlier run's
-    prereg = find_prereg(None, args.traces)
-    prereg_doc = None if prereg is None else {"path": str(prereg),
-                                               "sha256": sha256_file(prereg)}
+    prereg_doc = prereg_record(None, args.traces)
     path = out / "replay.parquet"
     t0 = time.perf_counter()
     skipped: list[str] = []

@@ -2,12 +2,11 @@
 
 The on-disk format is documented in ``docs/trace-format.md``; this module holds the pieces that
 every other store module shares: :data:`SCHEMA_VERSION`, :class:`StoreError`, :class:`ModelMeta`,
-file names, sequence-id sanitizing and the atomic-write helpers.
+file names, sequence-id sanitizing and the store-file checksum.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -17,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tracesim.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir, tmp_path  # noqa: F401
+from tracesim import provenance
 
 SCHEMA_VERSION = 1
 """Version of the on-disk layout; bumped on any incompatible change."""
@@ -44,7 +43,8 @@ OPTIONAL_MODEL_FIELDS = ("rope_theta", "rope_scaling")
 MAX_SCALING = 16.0
 
 _STEM_MAX = 100
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+# Unsafe characters, and a leading dot (no hidden files): both become "_".
+_UNSAFE_OR_LEADING_DOT = re.compile(r"[^A-Za-z0-9._-]|^\.")
 _SEQ_FILE = re.compile(r"seq/[A-Za-z0-9_-][A-Za-z0-9._-]*\.arrow")
 
 
@@ -238,12 +238,8 @@ def safe_file_stem(sequence_id: str) -> str:
     Ids that are already safe map to themselves; others are sanitized and get a short hash of
     the original id appended, so that two different ids cannot share a file.
     """
-    stem = _UNSAFE.sub("_", sequence_id)
-    stem = re.sub(r"^\.", "_", stem)
-    if stem != sequence_id or len(stem) > _STEM_MAX:
-        digest = hashlib.sha256(sequence_id.encode()).hexdigest()[:12]
-        stem = f"{stem[:_STEM_MAX]}-{digest}"
-    return stem
+    return provenance.safe_file_stem(sequence_id, max_chars=_STEM_MAX, digest_chars=12,
+                                     unsafe=_UNSAFE_OR_LEADING_DOT)
 
 
 def member_path(root: Path, rel: Any, label: str) -> Path:
@@ -273,19 +269,10 @@ def member_path(root: Path, rel: Any, label: str) -> Path:
 # --------------------------------------------------------------------------- files
 
 
-# fsync_dir, tmp_path and atomic_write_bytes live in tracesim.atomic (shared by every writer).
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """``"sha256:<hex>"`` of the bytes of ``path``, read in chunks (bounded memory).
-
-    Through :func:`tracesim.safeio.hash_file`: a FIFO, device or /proc file is refused with a
-    :class:`StoreError` instead of being read forever; store files have no size limit.
-    """
-    from tracesim.safeio import hash_file
-
-    del chunk  # hash_file reads 1 MiB blocks
-    return hash_file(path, limit=None, what="store file", error=StoreError)
+def sha256_file(path: Path) -> str:
+    """``"sha256:<hex>"`` of the bytes of a store file (:func:`tracesim.provenance.sha256_file`:
+    a FIFO, device or /proc file is refused with a :class:`StoreError`; no size limit)."""
+    return provenance.sha256_file(path, "store file", error=StoreError)
 
 
 # --------------------------------------------------------------------------- model.json

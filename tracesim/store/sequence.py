@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .format import SCHEMA_VERSION, StoreError, fsync_dir, sha256_file, storage_dtype, tmp_path
+from tracesim.atomic import fsync_dir, tmp_path
+
+from .format import SCHEMA_VERSION, StoreError, sha256_file, storage_dtype
 from .manifest import DERIVED_FIELDS, check_row, coerce_field, missing_fields
 from .tensorfile import (
     SEQUENCE_KINDS,

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from tracesim.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir, tmp_path
+
 from .format import (
     LOCK_FILE,
     MANIFEST_FILE,
@@ -17,19 +19,15 @@ from .format import (
     O_PROJ_FILE,
     SEQ_DIR,
     TENSOR_SUFFIX,
-    TMP_SUFFIX,
     ModelMeta,
     StoreError,
-    atomic_write_bytes,
     check_kept,
     check_sequence_id,
-    fsync_dir,
     model_json_bytes,
     read_model_json,
     safe_file_stem,
     sha256_file,
     storage_dtype,
-    tmp_path,
 )
 from .manifest import (
     empty_manifest,

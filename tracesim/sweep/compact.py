@@ -17,44 +17,18 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from tracesim.atomic import atomic_output, atomic_write_bytes
-from tracesim.safeio import hash_file, loads_json
+from tracesim.safeio import loads_json
 from tracesim.sweep.tasks import META_KEY, Task, sweep_schema
 
-__all__ = ["RESULTS_FILE", "SUMMARY_FILE", "compact", "find_prereg", "sha256_file",
-           "tasks_digest", "write_json"]
+__all__ = ["RESULTS_FILE", "SUMMARY_FILE", "compact", "tasks_digest", "write_json"]
 
 RESULTS_FILE = "results/results.parquet"
 SUMMARY_FILE = "results/summary.json"
 
 
-def sha256_file(path: Path) -> str:
-    """``sha256:<hex>`` of a file's bytes (the format of ``analysis.prereg.prereg_hash``).
-
-    Through :func:`tracesim.safeio.hash_file`: a FIFO, device or /proc file is refused (it
-    could be read forever) and the size is bounded.
-    """
-    return hash_file(path, what="pre-registration file")
-
-
 def tasks_digest(tasks: Sequence[Task]) -> str:
     """sha256 of the sorted task keys: identifies the exact set of task files compacted."""
     return hashlib.sha256("\n".join(sorted(t.key for t in tasks)).encode()).hexdigest()
-
-
-def find_prereg(explicit: Path | None, spec_source: str) -> Path | None:
-    """The pre-registration file: the spec's ``prereg``, else ``data/prereg.yaml`` found in the
-    current directory or in the spec file's directory or one of its parents (the repo root)."""
-    if explicit is not None:
-        return explicit
-    places = [Path.cwd()]
-    src = Path(spec_source)
-    if spec_source != "<dict>" and src.exists():
-        places += [src.resolve().parent, *src.resolve().parent.parents]
-    for place in places:
-        candidate = place / "data" / "prereg.yaml"
-        if candidate.is_file():
-            return candidate.resolve()
-    return None
 
 
 def write_json(path: Path, doc: Any) -> None:

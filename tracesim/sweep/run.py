@@ -19,13 +19,12 @@ from tracesim.atomic import (
     remove_stale_tmp,
 )
 from tracesim.integrity import results_record
+from tracesim.provenance import prereg_record
 from tracesim.sweep.backends import BACKENDS, Events, run_dask, run_local
 from tracesim.sweep.compact import (
     RESULTS_FILE,
     SUMMARY_FILE,
     compact,
-    find_prereg,
-    sha256_file,
     tasks_digest,
     write_json,
 )
@@ -185,9 +184,7 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
         raise SpecError(f"{spec.source}: output: {out_dir} is not a directory, expected a "
                         "directory (or a path that can be created)")
     # hashed before any work: an unreadable prereg (a FIFO, a /proc file) fails at once
-    prereg = find_prereg(spec.prereg, spec.source)
-    prereg_doc = None if prereg is None else {"path": str(prereg),
-                                              "sha256": sha256_file(prereg)}
+    prereg_doc = prereg_record(spec.prereg, spec.source)
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = DirLock(out_dir, "sweep")
     try:

@@ -18,6 +18,7 @@ from typing import Any
 from tracesim.counts import SEQUENCES
 from tracesim.policies import Policy
 from tracesim.policies.grid import SpecError, expand_grid
+from tracesim.provenance import source_digest
 from tracesim.replay.engine import ReplayOptions
 from tracesim.sweep.fields import (  # noqa: F401 - MAX_* are part of this module's API
     MAX_LAYER,
@@ -70,13 +71,9 @@ def code_fingerprint() -> str:
     import tracesim
 
     root = Path(tracesim.__file__).resolve().parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith("sweep/") or path.name == "cli.py":
-            continue
-        h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
+    return source_digest(root, [
+        path for path in sorted(root.rglob("*.py"))
+        if not (path.relative_to(root).as_posix().startswith("sweep/") or path.name == "cli.py")])
 
 
 @dataclass(frozen=True)

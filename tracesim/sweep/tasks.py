@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracesim.policies import Policy
+from tracesim.provenance import safe_file_stem
 from tracesim.safeio import loads_json, read_bytes
 from tracesim.sweep.spec import SweepSpec, code_fingerprint, selected_sequences
 
@@ -99,10 +99,8 @@ class TaskPlan:
 
 
 def _safe(name: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "_"
-    if safe != name or len(safe) > 80:
-        safe = f"{safe[:80]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
-    return safe
+    """A task directory name for a store label or sequence id."""
+    return safe_file_stem(name, max_chars=80, digest_chars=8, strip_leading_dots=True)
 
 
 def _evaluated(roles: list[str], wanted: tuple[str, ...] | None) -> int:
