@@ -335,20 +335,10 @@ def model_json_bytes(model: ModelMeta, o_proj: dict[str, Any] | None,
     return (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode()
 
 
-def parse_model_json(root: Path) -> tuple[ModelMeta | None, dict[str, Any], list[str]]:
-    """Read ``model.json``; return ``(model or None, raw dict, problems)``."""
-    from .safe import read_json_bounded
-
-    try:
-        raw = read_json_bounded(root, MODEL_FILE)
-    except FileNotFoundError:
-        return None, {}, [f"{MODEL_FILE}: missing (not a trace store?)"]
-    except StoreError as exc:
-        return None, {}, [str(exc)]
-    except OSError as exc:
-        return None, {}, [f"{MODEL_FILE}: unreadable ({exc})"]
-    if not isinstance(raw, dict):
-        return None, {}, [f"{MODEL_FILE}: expected a JSON object, got {type(raw).__name__}"]
+def check_model_doc(raw: dict[str, Any]) -> tuple[ModelMeta | None, list[str]]:
+    """Check a parsed ``model.json`` object: schema version, ``o_proj`` entry, model fields and
+    ``kept`` entry; return ``(model or None, problems)`` (reading it is
+    :func:`tracesim.store.safe.parse_model_json`)."""
     problems = []
     version = raw.get("schema_version")
     if version != SCHEMA_VERSION:
@@ -369,13 +359,5 @@ def parse_model_json(root: Path) -> tuple[ModelMeta | None, dict[str, Any], list
     try:
         model = ModelMeta.from_dict(raw)
     except StoreError as exc:
-        return None, raw, [*problems, str(exc)]
-    return model, raw, problems + check_kept(raw.get("kept"), model)
-
-
-def read_model_json(root: Path) -> tuple[ModelMeta, dict[str, Any]]:
-    """Read and check ``model.json``; raise :class:`StoreError` on any problem."""
-    model, raw, problems = parse_model_json(root)
-    if problems or model is None:
-        raise StoreError(f"{root}: " + "; ".join(problems))
-    return model, raw
+        return None, [*problems, str(exc)]
+    return model, problems + check_kept(raw.get("kept"), model)

@@ -21,11 +21,10 @@ from .format import (
     ModelMeta,
     StoreError,
     member_path,
-    read_model_json,
     sha256_file,
 )
 from .manifest import NULLABLE, check_row, read_manifest
-from .safe import member_file
+from .safe import member_file, read_model_json
 from .tensorfile import TensorFile, sequence_layout, tensor_name
 
 

@@ -5,7 +5,8 @@ is opened through :func:`member_file`: it must be a regular file that resolves i
 store (no FIFO, device, socket or symlink escape), so nothing read from a stranger's store can
 hang a reader or read without bound. JSON documents are read by :func:`read_json_bounded`
 with a size limit and :func:`tracesim.safeio.loads_json` (nesting depth scanned before
-parsing, a key given twice refused).
+parsing, a key given twice refused); ``model.json`` by :func:`parse_model_json`, which then
+checks it (:func:`tracesim.store.format.check_model_doc`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .format import StoreError
+from .format import MODEL_FILE, ModelMeta, StoreError, check_model_doc
 
-__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "json_depth", "member_file", "read_json_bounded"]
+__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "json_depth", "member_file", "parse_model_json",
+           "read_json_bounded", "read_model_json"]
 
 #: Largest ``model.json`` accepted (bytes).
 MAX_JSON_BYTES = 1 << 20
@@ -97,3 +99,27 @@ def read_json_bounded(root: Path, rel: str, max_bytes: int = MAX_JSON_BYTES,
         raise StoreError(f"{rel}: file has more than {max_bytes} bytes, expected at most "
                          f"{max_bytes}")
     return loads_bounded(data, rel, max_depth)
+
+
+def parse_model_json(root: Path) -> tuple[ModelMeta | None, dict[str, Any], list[str]]:
+    """Read ``model.json``; return ``(model or None, raw dict, problems)``."""
+    try:
+        raw = read_json_bounded(root, MODEL_FILE)
+    except FileNotFoundError:
+        return None, {}, [f"{MODEL_FILE}: missing (not a trace store?)"]
+    except StoreError as exc:
+        return None, {}, [str(exc)]
+    except OSError as exc:
+        return None, {}, [f"{MODEL_FILE}: unreadable ({exc})"]
+    if not isinstance(raw, dict):
+        return None, {}, [f"{MODEL_FILE}: expected a JSON object, got {type(raw).__name__}"]
+    model, problems = check_model_doc(raw)
+    return model, raw, problems
+
+
+def read_model_json(root: Path) -> tuple[ModelMeta, dict[str, Any]]:
+    """Read and check ``model.json``; raise :class:`StoreError` on any problem."""
+    model, raw, problems = parse_model_json(root)
+    if problems or model is None:
+        raise StoreError(f"{root}: " + "; ".join(problems))
+    return model, raw

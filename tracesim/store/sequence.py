@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from tracesim.atomic import fsync_dir, tmp_path
 
-from .format import SCHEMA_VERSION, StoreError, sha256_file, storage_dtype
+from .format import SCHEMA_VERSION, ModelMeta, StoreError, sha256_file, storage_dtype
 from .manifest import DERIVED_FIELDS, check_row, coerce_field, missing_fields
 from .tensorfile import (
     SEQUENCE_KINDS,
@@ -19,10 +20,19 @@ from .tensorfile import (
     tensor_name,
 )
 
-if TYPE_CHECKING:
-    from .writer import TraceWriter
-
 _LAYER_FIELDS = ("keys", "values", "queries", "outputs", "h2o")
+
+
+class SequenceOwner(Protocol):
+    """What a :class:`SequenceWriter` needs of the store writer that opened it
+    (:class:`tracesim.store.writer.TraceWriter`): the store's path and model, the slot of its
+    one open sequence, and the commit of a finished sequence's manifest row."""
+
+    path: Path
+    model: ModelMeta
+    _active: SequenceWriter | None
+
+    def _commit_row(self, row: dict[str, Any]) -> None: ...
 
 
 class SequenceWriter:
@@ -33,7 +43,7 @@ class SequenceWriter:
     then the manifest row is added; on an exception the temp file is removed.
     """
 
-    def __init__(self, owner: TraceWriter, sequence_id: str, file: str, row: dict) -> None:
+    def __init__(self, owner: SequenceOwner, sequence_id: str, file: str, row: dict) -> None:
         self._owner = owner
         self.sequence_id = sequence_id
         self.file = file

@@ -23,11 +23,10 @@ from .format import (
     ModelMeta,
     StoreError,
     member_path,
-    parse_model_json,
     sha256_file,
 )
 from .manifest import NULLABLE, check_checksum, check_row, check_schema
-from .safe import member_file
+from .safe import member_file, parse_model_json
 from .tensorfile import TensorFile, sequence_layout, tensor_name
 
 MAX_PROBLEMS_PER_FILE = 20

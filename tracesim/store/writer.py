@@ -24,7 +24,6 @@ from .format import (
     check_kept,
     check_sequence_id,
     model_json_bytes,
-    read_model_json,
     safe_file_stem,
     sha256_file,
     storage_dtype,
@@ -35,6 +34,7 @@ from .manifest import (
     row_table,
     write_manifest,
 )
+from .safe import read_model_json
 from .sequence import SequenceWriter
 from .tensorfile import TensorFile, tensor_name, write_tensor_file
 
