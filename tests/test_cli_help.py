@@ -5,14 +5,8 @@ from __future__ import annotations
 import argparse
 
 from tracesim.cli import build_parser
-from tracesim.cli_docs import (
-    DOC_PATH,
-    REGENERATE,
-    HelpFormatter,
-    help_problems,
-    iter_parsers,
-    render_markdown,
-)
+from tracesim.cli_docs import DOC_PATH, REGENERATE, render_markdown
+from tracesim.cli_help import HelpFormatter, help_problems, iter_parsers
 
 
 def test_every_subcommand_and_option_is_documented():

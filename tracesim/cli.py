@@ -18,6 +18,8 @@ import argparse
 import importlib
 import sys
 
+from tracesim.cli_help import Parser
+
 # Modules whose ``register`` adds a subcommand, in ``tracesim --help`` order.
 _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "capture.cli",
@@ -82,8 +84,6 @@ def _chosen(argv: list[str]) -> str | None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Top-level parser; imports ``command``'s module (every module if ``"*"``) and the modules
     without a :data:`_COMMANDS` line; the others are listed with their table help line."""
-    from tracesim.cli_docs import Parser
-
     parser = Parser(
         prog="tracesim",
         description="Simulation and statistics over recorded attention traces. Each "
