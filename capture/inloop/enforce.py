@@ -30,7 +30,12 @@ import numpy as np
 import torch
 
 from capture.attention import CaptureState
-from capture.inloop.onepass import onepass_attention, pair_quadratic_forms
+from capture.inloop.onepass import (
+    fixed_size_inflation,
+    group_queries,
+    onepass_attention,
+    pair_quadratic_forms,
+)
 
 __all__ = ["EvictionState", "LayerPlan", "serving_certificates"]
 
@@ -122,10 +127,9 @@ def serving_certificates(
     layer_certificate_sq : scalar tensor or None
         Output-space ``C^2`` summed over groups.
     """
-    H, d = query.shape
-    n_kv, T, _ = key.shape
-    G = H // n_kv
-    q = query.reshape(n_kv, G, d).to(key.dtype)
+    q = group_queries(query, key.shape[0]).to(key.dtype)
+    n_kv, G, d = q.shape
+    H = n_kv * G
     logits = torch.einsum("kgd,ktd->kgt", q, key) * scaling + bias[:, None, :].to(key.dtype)
     a = torch.softmax(logits, dim=-1)  # (H_kv, G, T)
     out = torch.einsum("kgt,ktd->kgd", a, value)
@@ -138,9 +142,7 @@ def serving_certificates(
     if fixed_size:
         w = tail_weight.to(z.dtype)[:, None, :, None]
         centre = (w * z).sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp_min(1e-30)
-        m_real = (tail_weight > 0).sum(-1).to(z.dtype)
-        inflate = torch.where(m_real > 1, m_real / (m_real - 1).clamp_min(1),
-                              torch.zeros_like(m_real))
+        inflate = fixed_size_inflation(tail_weight, z.dtype)
         cert = (inflate[:, None] * (w * (z - centre) ** 2).sum((2, 3))).reshape(H)
     else:
         # Poisson: S2 - 2 o.S1 + |o|^2 S0 with S_k sums of (1-pi) a^2 |v|^k-type terms, i.e. two

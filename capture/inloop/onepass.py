@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "onepass_attention", "pair_quadratic_forms", "pairs"]
+__all__ = ["BLOCK", "fixed_size_inflation", "group_queries", "onepass_attention",
+           "pair_quadratic_forms", "pairs"]
 
 #: Keys per block. Each block costs a rescale of the accumulators and smaller products run
 #: slower on CPU BLAS, so one block covers a 32k cache; the logits buffer it bounds is only
@@ -44,6 +45,25 @@ def pairs(group: int) -> tuple[torch.Tensor, torch.Tensor]:
     off = [(h, k) for h in range(group) for k in range(h + 1, group)]
     first, second = zip(*(diag + off), strict=True)
     return torch.tensor(first), torch.tensor(second)
+
+
+def group_queries(query: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """The decode queries ``(H, d)`` grouped by the KV head they attend with: ``(H_kv, G, d)``,
+    ``G = H // H_kv`` (GQA: query head ``h`` uses KV head ``h // G``). Both the one-pass and
+    the two-pass certificate code read the shapes from it."""
+    H, d = query.shape
+    if H % n_kv:
+        raise ValueError(f"{H} query heads cannot share {n_kv} KV heads, expected a multiple "
+                         f"of {n_kv}")
+    return query.reshape(n_kv, H // n_kv, d)
+
+
+def fixed_size_inflation(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rosén's ``m / (m - 1)`` per KV head, ``m`` the number of sampled tail tokens (positive
+    ``weight``, shape ``(H_kv, ...)``, summed over the last axis); 0 where ``m <= 1`` (no
+    variance estimate from one token)."""
+    m_real = (weight > 0).sum(-1).to(dtype)
+    return torch.where(m_real > 1, m_real / (m_real - 1).clamp_min(1), torch.zeros_like(m_real))
 
 
 def pair_quadratic_forms(values: torch.Tensor, gram: torch.Tensor, weight: torch.Tensor
@@ -124,12 +144,11 @@ def onepass_attention(
     layer_certificate_sq : scalar tensor or None
         Output-space ``C^2`` summed over groups.
     """
-    H, d = query.shape
-    n_kv, T, _ = key.shape
-    G = H // n_kv
-    dev = key.device
     f32 = torch.float32
-    q = query.reshape(n_kv, G, d).to(f32) * scaling
+    q = group_queries(query, key.shape[0]).to(f32) * scaling
+    n_kv, G, d = q.shape
+    H, T = n_kv * G, key.shape[1]
+    dev = key.device
     certified = weight is not None
     want_layer = certified and gram is not None
     if want_layer and quad is None:
@@ -210,12 +229,9 @@ def onepass_attention(
     if fixed_size:
         # Rosén: m/(m-1) [sum w |z|^2 - |sum w z|^2 / sum w], z_i = a_i (v_i - o).
         sw = weight.to(f32).sum(-1)  # (H_kv,)
-        m_real = (weight > 0).sum(-1).to(f32)
         swz = (acc[:, G + n_pair:] - out * sums[:, G + n_pair:, None]) / l[..., None]
         centred = cert - (swz * swz).sum(-1) / sw.clamp_min(1e-30)[:, None]
-        inflate = torch.where(m_real > 1, m_real / (m_real - 1).clamp_min(1),
-                              torch.zeros_like(m_real))
-        cert = (inflate[:, None] * centred).clamp_min(0)
+        cert = (fixed_size_inflation(weight, f32)[:, None] * centred).clamp_min(0)
     layer = None
     if want_layer:
         layer = _layer_certificate(out, acc[:, G:G + n_pair], sums[:, G:G + n_pair],
