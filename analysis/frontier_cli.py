@@ -201,12 +201,6 @@ def render_markdown(table: pd.DataFrame, notes: list[str],
     return "\n".join(md)
 
 
-def _settings(prereg_path: str | Path) -> SplitSettings:
-    from analysis.prereg import load_prereg
-
-    return SplitSettings.from_claim(load_prereg(prereg_path).claims["C8"])
-
-
 def run_frontier(results: str | Path, out: str | Path, *,
                  prereg_path: str | Path = _DEFAULT_PREREG, rules_path: str | Path | None = None,
                  alpha: float = 0.05) -> tuple[pd.DataFrame, list[str]]:

@@ -10,9 +10,9 @@ are what the code measured, not targets: the primary Wald interval undercovers a
 import numpy as np
 import pytest
 
+from tests.coverage_fixtures import synthetic_head
 from tracesim import hajek_attention, permanent_uniforms
 from tracesim.coverage import satterthwaite_covered, wald_covered
-from tracesim.synthetic import synthetic_head
 
 # budget -> (mean m, Wald, Wald small-sample, Satterthwaite, Satterthwaite small-sample) and SEs
 ESTABLISHED = {

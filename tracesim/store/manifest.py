@@ -54,7 +54,6 @@ NULLABLE = ("gold", "correct")
 MANIFEST_SCHEMA = pa.schema([pa.field(n, t, nullable=n in NULLABLE) for n, _, t in FIELDS])
 # Fields the store derives itself; ``n_positions``/``n_query`` may also be given (then checked).
 DERIVED_FIELDS = ("model_id", "dtype", "schema_version", "file", "checksum", "n_bytes")
-INPUT_FIELDS = tuple(n for n, _, _ in FIELDS if n not in DERIVED_FIELDS and n != "sequence_id")
 _CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
 _INT32 = (-(2**31), 2**31 - 1)
 

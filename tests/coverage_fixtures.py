@@ -1,4 +1,5 @@
-"""Synthetic attention populations with known ground truth, for tests, docs and benchmarks."""
+"""Synthetic attention populations with known ground truth: the heads of the Monte Carlo
+coverage test (``tests/test_coverage_mc.py``) and of the coverage table in ``docs/math.md``."""
 
 from __future__ import annotations
 
