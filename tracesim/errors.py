@@ -1,7 +1,7 @@
 """User errors and small argument checks shared by every subcommand.
 
 A :class:`UsageError` (or any ``ValueError``, :class:`~tracesim.store.StoreError`,
-:class:`~tracesim.sweep.SpecError`) raised by a subcommand is printed by ``tracesim`` as one
+:class:`~tracesim.policies.grid.SpecError`) raised by a subcommand is printed by ``tracesim`` as one
 line and exits with status 2; a traceback is shown only with ``tracesim --debug``.
 """
 
