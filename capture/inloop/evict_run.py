@@ -27,7 +27,8 @@ from tracesim.provenance import prereg_record, safe_file_stem
 __all__ = ["register", "run_evict"]
 
 
-# Letters and digits of any script are kept (the names of runs written before the shared helper).
+# Letters and digits of any script are kept: the parts files of earlier runs keep their names,
+# so a rerun resumes from them.
 _UNSAFE_PART_CHARS = re.compile(r"[^\w.-]")
 
 
