@@ -3,7 +3,8 @@ error), C5 (certificate-gated escalation) and C7 (recomputation scheduling).
 
 Inputs are the replay results table (``tracesim replay`` / ``tracesim sweep``; columns in
 ``docs/replay.md``) as a pandas DataFrame, aggregated over seeds, and the pre-registration.
-The ``c*_claim`` functions are the claims table's entries
+C1 and C2 read the eviction designs only (schedules ``oneshot`` and ``decode``): the per-step
+designs (schedule ``step``) are C9's. The ``c*_claim`` functions are the claims table's entries
 (:mod:`analysis.claim_registry`): they take the report's :class:`analysis.claims.ClaimInputs`.
 """
 
@@ -31,7 +32,7 @@ from analysis.coverage import cluster_coverage
 from analysis.equivalence import paired_tost
 
 __all__ = ["c0_claim", "c1_claim", "c2_claim", "c5_claim", "c7_claim", "check_c1",
-           "evaluate_c0", "evaluate_c1", "evaluate_c2_attention", "evaluate_c5",
+           "eviction_rows", "evaluate_c0", "evaluate_c1", "evaluate_c2_attention", "evaluate_c5",
            "evaluate_c7", "recompute_curves", "tail_bins", "token_logprobs"]
 
 #: Primary coverage events C1 may pre-register (``primary_event:``).
@@ -84,6 +85,15 @@ def _certified(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["certified"].astype(bool) & df["cert2"].notna()]
 
 
+def eviction_rows(results: pd.DataFrame) -> pd.DataFrame:
+    """The rows of eviction designs (schedule ``oneshot`` or ``decode``): per-step designs
+    (schedule ``step``) sample the whole cache afresh at every step and evict nothing, so the
+    eviction claims C1 and C2 leave them out. Results without a ``schedule`` column are
+    returned as they are."""
+    if "schedule" not in results:
+        return results
+    return results[results["schedule"] != "step"]
+
 
 def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, Any]]:
     """Certificate coverage, cluster-robust by sequence, stratified by tail size and more."""
@@ -93,7 +103,7 @@ def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, A
               ("satterthwaite", "primary"): "sat_cov",
               ("satterthwaite", "small_sample"): "sat_t_cov"}[
         (claim["primary_event"], claim["certificate"])]
-    df = _certified(results)
+    df = _certified(eviction_rows(results))
     want = claim.get("compare", {})
     if "design" in want:
         df = df[df["design"] == want["design"]]
@@ -139,7 +149,7 @@ def evaluate_c2_attention(results: pd.DataFrame, prereg) -> ClaimResult:
     """Paired TOST of relative attention error: Poisson/Hájek vs top-k at equal budget."""
     claim, alpha = _claim(prereg, "C2")
     res = ClaimResult("C2", claim["hypothesis"])
-    df = results
+    df = eviction_rows(results)
     rand = df[(df["design"] == "poisson") & (df["correction"] == "hajek")]
     det = df[df["design"] == "topk"]
     keys = ["sequence_id", "score", "budget"]

@@ -1,5 +1,5 @@
 """The per-step claims in the report: C10 from ``tracesim peers`` output when it is given (and
-why not when it is not)."""
+why not when it is not), and C1/C2 leaving the per-step rows to C9."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from analysis.adaptive import evaluate_c10
 from analysis.claims import INPUT_MISSING, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED
+from analysis.claims_replay import evaluate_c1, evaluate_c2_attention
 from analysis.prereg import load_prereg
 from analysis.report import build_report, write_report
 
@@ -75,6 +76,32 @@ def test_peers_output_is_checked_before_use(tmp_path):
         build_report(None, None, prereg_path=PREREG, peers_dirs=[d])
     with pytest.raises(ValueError, match="no peers.parquet"):
         build_report(None, None, prereg_path=PREREG, peers_dirs=[tmp_path])
+
+
+def test_c1_and_c2_leave_the_per_step_rows_to_c9():
+    rng = np.random.default_rng(3)
+    rows = []
+    for s in range(6):
+        for design in ("poisson", "topk"):
+            for _row in range(40):
+                rows.append({"sequence_id": f"s{s}", "score": "snapkv", "budget": 0.25,
+                             "design": design, "schedule": "oneshot",
+                             "correction": "hajek" if design == "poisson" else "none",
+                             "certified": design == "poisson", "cert2": 1.0,
+                             "wald_cov": float(rng.random() < 0.9), "tail_size": 40,
+                             "n_eff": 20.0, "tail_out_mass": 0.1,
+                             "rel_err": rng.gamma(2.0) / 10})
+    prefill = pd.DataFrame(rows)
+    # per-step rows: same designs, wildly different numbers; they must not move C1 or C2
+    step = prefill.assign(schedule="step", score="perstep", wald_cov=0.0, rel_err=9.0)
+    both = pd.concat([prefill, step], ignore_index=True)
+    pre = load_prereg(PREREG)
+    c1_prefill, c1_both = evaluate_c1(prefill, pre)[0], evaluate_c1(both, pre)[0]
+    assert (c1_both.estimate, c1_both.ci_low, c1_both.ci_high, c1_both.detail) == (
+        c1_prefill.estimate, c1_prefill.ci_low, c1_prefill.ci_high, c1_prefill.detail)
+    c2_prefill, c2_both = evaluate_c2_attention(prefill, pre), evaluate_c2_attention(both, pre)
+    assert (c2_both.estimate, c2_both.pvalue, c2_both.detail) == (
+        c2_prefill.estimate, c2_prefill.pvalue, c2_prefill.detail)
 
 
 def test_report_cli_takes_several_peers_outputs():
