@@ -6,7 +6,9 @@ results were produced under, and writes ``report.md``, a standalone ``report.htm
 embedded as PNG), ``claims.json`` and the figures as PNG files. The report opens with a
 provenance header and a caveat computed from the number of sequences
 (:mod:`analysis.provenance`); the claims table carries each hypothesis and the units of its
-estimate; every figure has a caption.
+estimate; every figure has a caption. The claims evaluated are those of the claims table
+(:mod:`analysis.claim_registry`); this module only loads their inputs, applies Holm and
+presents the results.
 """
 
 from __future__ import annotations
