@@ -11,7 +11,7 @@ calibration results and reports its held-out coverage: ``kappa`` is the smallest
 ``|o_hat - o| <= kappa C`` on a 95 % share of calibration rows (the ``ceil((n + 1) 0.95)``-th
 smallest ``|o_hat - o| / C``), ``conf_cov`` the held-out share with ``|o_hat - o| <= kappa C``.
 With ``--prereg`` it evaluates claims C9 (from the results) and C10 (from ``--peers`` output
-of ``tracesim peers``).
+of ``tracesim peers``), as ``tracesim report`` does (:mod:`analysis.claims_perstep`).
 
 Usage: ``python -m analysis.adaptive RESULTS_DIR [--calibration DIR] [--peers DIR ...]
 [--prereg data/prereg.yaml]`` (``docs/adaptive.md``).
@@ -27,37 +27,21 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.report import load_results
+from analysis.adaptive_costs import cost_columns
+from analysis.claims_perstep import evaluate_c9, evaluate_c10
+from analysis.cluster import cluster_mean, student_quantile
+from analysis.prereg import load_prereg
+from analysis.results_io import load_peers, load_results
 
+# evaluate_c9 and evaluate_c10 live with the other claims (analysis.claims_perstep); they are
+# named here too because this command evaluates them.
 __all__ = ["adaptive_table", "conformal_radius", "evaluate_c9", "evaluate_c10", "main"]
-
-
-def _cluster_se(values: pd.Series, clusters: pd.Series) -> tuple[float, float, int]:
-    """Mean, cluster-robust (by sequence) standard error and number of clusters of a column;
-    the error is NaN with fewer than 2 clusters (one sequence says nothing about the next)."""
-    ok = values.notna()
-    v, c = values[ok].to_numpy(float), clusters[ok].to_numpy()
-    if v.size == 0:
-        return float("nan"), float("nan"), 0
-    m = v.mean()
-    sums = pd.Series(v - m).groupby(c).sum().to_numpy()
-    k = sums.size
-    if k < 2:
-        return float(m), float("nan"), k
-    return float(m), float(np.sqrt(k / (k - 1) * (sums**2).sum()) / v.size), k
-
-
-def _quantile(p: float, k: int) -> float:
-    """Student quantile with ``k - 1`` degrees of freedom (``k`` clusters; NaN below 2)."""
-    from scipy import stats
-
-    return float(stats.t.ppf(p, k - 1)) if k >= 2 else float("nan")
 
 
 def _cluster_ci(values: pd.Series, clusters: pd.Series) -> tuple[float, float]:
     """Mean and cluster-robust 95 % half-width (Student ``t_{k-1}``) of a column."""
-    m, se, k = _cluster_se(values, clusters)
-    return m, _quantile(0.975, k) * se
+    m, se, k = cluster_mean(values, clusters)
+    return m, student_quantile(0.975, k) * se
 
 
 def _proxy(row: pd.Series) -> str:
@@ -109,116 +93,6 @@ def conformal_radius(cal: pd.DataFrame, level: float = 0.95) -> dict[str, float]
     return out
 
 
-def _one_sided(values: pd.Series, clusters: pd.Series,
-               p: float) -> tuple[float, float, float]:
-    """Mean and the ``p`` one-sided bounds below and above it (``t_{k-1}``; NaN below 2
-    clusters, which makes every verdict inconclusive)."""
-    m, se, k = _cluster_se(values, clusters)
-    half = _quantile(p, k) * se
-    return m, m - half, m + half
-
-
-def _matches(meta: pd.Series, want: dict) -> bool:
-    from tracesim.policies.grid import parse_schedule
-
-    params = json.loads(meta["score_params"]) if meta["score"] == "perstep" else {}
-    if "schedule" in want:
-        want = {**want, "schedule": parse_schedule(want["schedule"], "compare").label()}
-    checks = {"score": meta["score"], "design": meta["design"], "budget": meta["budget"],
-              "schedule": meta["config_id"].split("|")[4],
-              "correction": meta["correction"], "mixture": meta["mixture"],
-              "top_fraction": meta["top_fraction"], **params}
-    return all(k in checks and checks[k] == v for k, v in want.items())
-
-
-def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
-    """C9 on held-out results: coverage CI against the interval, paired MSE test vs top-k."""
-    from scipy import stats
-
-    first = df.drop_duplicates("config_id")
-    pick = {}
-    for role in ("primary", "baseline"):
-        ids = [r.config_id for _, r in first.iterrows() if _matches(r, claim["compare"][role])]
-        if len(ids) != 1:
-            raise ValueError(f"C9: compare.{role} matches {len(ids)} configurations in the "
-                             "results, expected exactly 1")
-        pick[role] = ids[0]
-    p = df[df.config_id == pick["primary"]]
-    b = df[df.config_id == pick["baseline"]]
-    lo_iv, hi_iv = claim["interval"]
-    # (1 - 2 alpha) two-sided = alpha one-sided on each side
-    cov, lo2, hi2 = _one_sided(p["wald_cov"], p["sequence_id"], 1 - alpha)
-    _, lo1, hi1 = _one_sided(p["wald_cov"], p["sequence_id"], 1 - alpha / 2)
-    mp = p.groupby("sequence_id")["err2"].mean()
-    mb = b.groupby("sequence_id")["err2"].mean()
-    if set(mp.index) != set(mb.index):
-        raise ValueError("C9: the primary and baseline configurations cover different "
-                         f"sequences ({len(mp)} and {len(mb)}), expected the same for the "
-                         "paired test")
-    mb = mb.loc[mp.index]
-    if not ((mp > 0) & (mb > 0) & np.isfinite(mp) & np.isfinite(mb)).all():
-        raise ValueError("C9: a sequence has a zero or non-finite MSE, expected positive "
-                         "MSEs for the paired log-ratio test")
-    ratio = np.log(mp / mb)
-    t = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="less")
-    t_gt = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="greater")
-    within = lo_iv <= lo2 and hi2 <= hi_iv
-    outside = hi1 < lo_iv or lo1 > hi_iv
-    if within and t.pvalue < alpha:
-        verdict = "supported"
-    elif outside or t_gt.pvalue < alpha:
-        verdict = "not supported"
-    else:
-        verdict = "inconclusive"
-    return {"claim": "C9", "coverage": cov, "ci_90": (lo2, hi2), "ci_95": (lo1, hi1),
-            "sequences": int(p.sequence_id.nunique()), "rows": len(p),
-            "mse_ratio_geomean": float(np.exp(ratio.mean())), "mse_p": float(t.pvalue),
-            "verdict": verdict, "primary": pick["primary"], "baseline": pick["baseline"]}
-
-
-def evaluate_c10(peers: pd.DataFrame, claim: dict, alpha: float) -> dict:
-    """C10: per configuration, the violation rate of vAttention's bound with a one-sided
-    cluster-robust bound, against its nominal delta."""
-    rows, verdicts = [], []
-    for want in claim["compare"]:
-        label = ("vattention(" + ",".join(f"{k}={want[k]:g}" for k in (
-            "sinks", "local", "heavy", "base_rate", "epsilon", "delta")) + ")")
-        g = peers[peers.config_id == label]
-        if g.empty:
-            raise ValueError(f"C10: no rows of {label} in the peers results")
-        viol = 1.0 - g["peer_bound_ok"]
-        rate, lo, hi = _one_sided(viol, g["sequence_id"], 1 - alpha)
-        delta = float(want["delta"])
-        verdicts.append("supported" if hi <= delta else
-                        "not supported" if lo > delta else "inconclusive")  # NaN: neither
-        rows.append({"config": label, "violation_rate": rate, "one_sided_bounds": (lo, hi),
-                     "delta": delta, "rows": len(g), "sequences": int(g.sequence_id.nunique()),
-                     "den_violation_rate": float(1.0 - g["peer_den_ok"].mean()),
-                     "kept_tokens": float(g["kept_tokens"].mean())})
-    verdict = ("not supported" if "not supported" in verdicts else
-               "supported" if all(v == "supported" for v in verdicts) else "inconclusive")
-    return {"claim": "C10", "configs": rows, "verdict": verdict}
-
-
-def c9_claim(df: pd.DataFrame, prereg):
-    """C9 as a row of the report's claims table (``not evaluated`` without per-step rows)."""
-    from analysis.claims import ClaimResult
-
-    claim = prereg.claims["C9"]
-    if df.empty or "score" not in df or not (df["score"] == "perstep").any():
-        return ClaimResult("C9", claim["hypothesis"], detail="no per-step results given")
-    try:
-        r = evaluate_c9(df, claim, prereg.claim_alpha("C9"))
-    except ValueError as exc:
-        return ClaimResult("C9", claim["hypothesis"], detail=str(exc))
-    return ClaimResult("C9", claim["hypothesis"], estimate=r["coverage"],
-                       ci_low=r["ci_90"][0], ci_high=r["ci_90"][1], pvalue=r["mse_p"],
-                       verdict=r["verdict"],
-                       detail=(f"held-out Wald coverage, 90 % CI by sequence ({r['sequences']} "
-                               f"sequences, {r['rows']} rows); MSE / per-query top-k "
-                               f"{r['mse_ratio_geomean']:.3g} (geometric mean over sequences)"))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m analysis.adaptive", description=__doc__
                                  .splitlines()[0])
@@ -229,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", nargs="*", default=[], help="tracesim peers output directories")
     ap.add_argument("--prereg", default=None, help="evaluate C9 and C10 of this file")
     args = ap.parse_args(argv)
-    from analysis.adaptive_costs import cost_columns
-
     try:
         df, _ = load_results(Path(args.results))
         table = cost_columns(adaptive_table(df, args.head_dim), df, args.head_dim)
@@ -245,13 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                 "config_id")["config_id"]]
         claims = []
         if args.prereg:
-            from analysis.prereg import load_prereg
-
             pre = load_prereg(args.prereg)
             claims.append(evaluate_c9(df, pre.claims["C9"], pre.claim_alpha("C9")))
             if args.peers:
-                peers = pd.concat([pd.read_parquet(Path(d) / "peers.parquet")
-                                   for d in args.peers])
+                peers = load_peers(args.peers)
                 claims.append(evaluate_c10(peers, pre.claims["C10"], pre.claim_alpha("C10")))
     except (ValueError, OSError, KeyError) as exc:
         print(f"python -m analysis.adaptive: {exc}", file=sys.stderr)

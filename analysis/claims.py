@@ -1,31 +1,31 @@
-"""Claim results and the verdict rules shared by every analysis."""
+"""What every claim shares: the verdicts, a claim's result, its inputs and its entry.
+
+A claim is one :class:`Claim` entry: its id, what its estimate measures, the inputs it needs,
+the function that evaluates it and (optionally) the check of its own pre-registration fields.
+The entries live in :mod:`analysis.claim_registry`, which the pre-registration, the claims
+table and the report loop over; ``docs/extending.md`` shows how to add one.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
+import pandas as pd
 
-__all__ = ["SUPPORTED", "NOT_SUPPORTED", "INCONCLUSIVE", "NOT_EVALUATED", "CLAIM_UNITS",
-           "ClaimResult", "claims_table"]
+__all__ = ["SUPPORTED", "NOT_SUPPORTED", "INCONCLUSIVE", "NOT_EVALUATED", "CERTIFICATES",
+           "INPUT_MISSING", "Claim", "ClaimInputs", "ClaimResult"]
 
 SUPPORTED = "supported"
 NOT_SUPPORTED = "not supported"
 INCONCLUSIVE = "inconclusive"
 NOT_EVALUATED = "not evaluated"
 
-#: What each claim's estimate measures, in its units (printed in the report's claims table).
-CLAIM_UNITS: dict[str, str] = {
-    "C0": "ratio: top-k true squared error at the largest perturbation / at none",
-    "C1": "coverage: share of certified (query, head, config) events inside the interval",
-    "C2": "difference in mean relative error |ô−o|/|o|, Poisson/Hájek − top-k",
-    "C3": "difference in accuracy (share correct), question-aware SnapKV − full cache",
-    "C4": "AUC difference for failure, −mean log-prob − mean certificate",
-    "C5": "difference in mean relative error, certificate-gated − uniform at matched memory",
-    "C6": "AUC of the max certificate, cache-induced vs inherent failures",
-    "C7": "difference in share of squared error recovered, certificate − best alternative",
-}
+#: Certificate variants a claim may pre-register (``certificate:`` in data/prereg.yaml).
+CERTIFICATES = ("primary", "small_sample")
 
 
 @dataclass
@@ -35,7 +35,7 @@ class ClaimResult:
     Attributes
     ----------
     claim : str
-        Claim id (C0..C7).
+        Claim id (``C`` and a number: C0..C10 are built in).
     hypothesis : str
     estimate : float
         The primary estimate (coverage, mean difference, AUC difference, ...).
@@ -70,18 +70,90 @@ class ClaimResult:
         return f"{self.claim}: {self.verdict} — estimate {self.estimate:.4g}{ci}{p}. {self.detail}"
 
 
-def _fmt(x: float, digits: int = 3) -> str:
-    return "—" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.{digits}g}"
+#: Why a claim is not evaluated when an input it needs is absent (keys of :attr:`Claim.needs`).
+INPUT_MISSING: dict[str, str] = {
+    "results": "no replay results given",
+    "outcomes": "no in-loop outcomes given",
+    "peers": "no `tracesim peers` output given (tracesim report --peers DIR; docs/peers.md)",
+}
 
 
-def claims_table(results: list[ClaimResult], *, text: bool = False) -> list[list[str]]:
-    """Rows (header first) of the claims table: id, estimate, CI, p, Holm p, verdict; with
-    ``text``, also the claim's hypothesis and the estimate's units (after the id)."""
-    head = ["claim", "estimate", "CI", "p", "p (Holm)", "verdict"]
-    rows = [head[:1] + ["hypothesis", "estimate measures"] + head[1:] if text else head]
-    for r in results:
-        ci = "—" if np.isnan(r.ci_low) else f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]"
-        words = [r.hypothesis, CLAIM_UNITS.get(r.claim, "")] if text else []
-        rows.append([r.claim, *words, _fmt(r.estimate, 4), ci, _fmt(r.pvalue),
-                     _fmt(r.adjusted_pvalue), r.verdict])
-    return rows
+@dataclass
+class ClaimInputs:
+    """Everything a claim may read, as the report loaded and checked it.
+
+    Attributes
+    ----------
+    prereg : analysis.prereg.Preregistration
+        The validated pre-registration; ``prereg.claims[id]`` is a claim's own entry (typed
+        ``Any`` here: :mod:`analysis.prereg` reads the claims table, not the other way round).
+    results : pandas.DataFrame
+        Replay or sweep rows (columns in ``docs/columns.md``); empty when none were given.
+    outcomes : pandas.DataFrame
+        In-loop outcome rows of plain eviction (fetch runs are split off); empty when none.
+    peers : pandas.DataFrame
+        ``tracesim peers`` rows (``tracesim.peers.PEER_COLUMNS``); empty when none.
+    adversary : dict or None
+        The C0 demo (``adversary.json``).
+    traces_dir : Path or None
+        The trace store (token log-probs for confidence gating).
+    frontier_dir : Path or None
+        A ``tracesim frontier`` output whose validity rules C8 uses, when present.
+    artifacts : dict
+        By-products a claim leaves for the report's figures and tables, keyed
+        ``"<claim> <what>"`` (e.g. ``"C1 strata"``).
+    """
+
+    prereg: Any
+    results: pd.DataFrame = field(default_factory=pd.DataFrame)
+    outcomes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    peers: pd.DataFrame = field(default_factory=pd.DataFrame)
+    adversary: dict[str, Any] | None = None
+    traces_dir: Path | None = None
+    frontier_dir: Path | None = None
+    artifacts: dict[str, Any] = field(default_factory=dict)
+
+    def given(self, name: str) -> bool:
+        """Whether the input ``name`` (a key of :data:`INPUT_MISSING`) holds any row."""
+        return not getattr(self, name).empty
+
+    def hypothesis(self, claim: str) -> str:
+        """The pre-registered hypothesis of ``claim``."""
+        return self.prereg.claims[claim]["hypothesis"]
+
+
+#: ``fail(key, message)`` raises ``ValueError`` naming the pre-registration file and ``key``.
+Fail = Callable[[str, str], NoReturn]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One entry of the claims table.
+
+    Attributes
+    ----------
+    id : str
+        ``C`` and a number (the report lists claims in that order).
+    evaluate : callable
+        ``evaluate(inputs: ClaimInputs) -> ClaimResult``; called only when every input in
+        ``needs`` is given. Its p-value (NaN for none) enters Holm's correction.
+    units : str
+        What the estimate measures, in its units (the claims table prints it).
+    needs : tuple of str
+        Inputs that must hold rows (keys of :data:`INPUT_MISSING`); without one the claim is
+        ``not evaluated`` with the reason. A claim that reads several inputs optionally
+        checks them itself.
+    check : callable, optional
+        ``check(entry, fail)`` validates the claim's own fields of its pre-registration
+        entry (``fail``: :data:`Fail`); the common fields are checked for every claim.
+    first : bool
+        Evaluate before every other claim (a check that should stop the report before any
+        work).
+    """
+
+    id: str
+    evaluate: Callable[[ClaimInputs], ClaimResult]
+    units: str
+    needs: tuple[str, ...] = ()
+    check: Callable[[dict[str, Any], Fail], None] | None = None
+    first: bool = False

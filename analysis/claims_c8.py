@@ -9,18 +9,29 @@ pre-registered interval ``[lo, hi]``, on the logit scale with the cluster-robust
 standard error of :func:`analysis.cluster.cluster_proportions`; ``p = max(p_lo, p_hi)``.
 Supported if ``p < alpha`` (the ``1 - 2 alpha`` interval lies inside ``[lo, hi]``); not
 supported if the ``1 - alpha`` interval lies entirely outside; inconclusive otherwise. The
-fraction of held-out rows certified is reported next to it.
+fraction of held-out rows certified is reported next to it. :func:`c8_claim` is the claims
+table's entry (:mod:`analysis.claim_registry`) and :func:`check_c8` checks C8's own
+pre-registration fields.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimResult
+from analysis.claims import (
+    CERTIFICATES,
+    INCONCLUSIVE,
+    NOT_SUPPORTED,
+    SUPPORTED,
+    ClaimInputs,
+    ClaimResult,
+    Fail,
+)
 from analysis.cluster import cluster_proportions
 from analysis.validity import (
     SplitSettings,
@@ -28,10 +39,14 @@ from analysis.validity import (
     apply_rules,
     check_rules,
     fit_rules,
+    load_rules,
     split_sequences,
 )
 
-__all__ = ["c8_rows", "evaluate_c8"]
+__all__ = ["RULES_FILE", "c8_claim", "c8_rows", "check_c8", "evaluate_c8"]
+
+#: The validity rules a ``tracesim frontier`` output directory holds.
+RULES_FILE = "validity_rules.json"
 
 
 def c8_rows(results: pd.DataFrame, claim: dict[str, Any]) -> pd.DataFrame:
@@ -114,3 +129,47 @@ def evaluate_c8(results: pd.DataFrame, prereg,
                   f"{settings.nominal} on the {res.extra['calibration_sequences']} calibration "
                   f"sequences; TOST against [{lo}, {hi}]")
     return res, rules
+
+
+def c8_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C8 with the rules of ``inputs.frontier_dir`` when it holds any (checked: a rule fitted
+    on held-out sequences raises :class:`ValidityRuleError`), else rules fitted here."""
+    fdir: Path | None = inputs.frontier_dir
+    rules = None
+    if fdir is not None and (fdir / RULES_FILE).is_file():
+        rules = load_rules(fdir / RULES_FILE)
+    c8, _ = evaluate_c8(inputs.results, inputs.prereg, rules)
+    if rules is not None:
+        c8.detail += f"; rules from {fdir.name}/{RULES_FILE}"
+    return c8
+
+
+def check_c8(c8: dict[str, Any], fail: Fail) -> None:
+    """The validity rule's split, interval and candidate grid (see ``analysis.validity``)."""
+    split = c8.get("split")
+    if not isinstance(split, dict):
+        fail("claims.C8.split", "expected a mapping {unit, salt, calibration_fraction}")
+    if split.get("unit", "sequence") != "sequence":
+        fail("claims.C8.split.unit", "only 'sequence' is supported")
+    if not isinstance(split.get("salt"), str) or not split["salt"]:
+        fail("claims.C8.split.salt", "expected a non-empty string")
+    f = split.get("calibration_fraction")
+    if not isinstance(f, (int, float)) or not 0 < f < 1:
+        fail("claims.C8.split.calibration_fraction", f"expected a number in (0, 1), got {f!r}")
+    iv = c8.get("interval")
+    if (not isinstance(iv, list) or len(iv) != 2
+            or not all(isinstance(v, (int, float)) for v in iv) or not 0 < iv[0] < iv[1] < 1):
+        fail("claims.C8.interval", f"expected [low, high] with 0 < low < high < 1, got {iv!r}")
+    if c8.get("certificate", "primary") not in CERTIFICATES:
+        fail("claims.C8.certificate", f"expected one of {list(CERTIFICATES)}")
+    if not isinstance(c8.get("nominal"), (int, float)) or not 0 < c8["nominal"] < 1:
+        fail("claims.C8.nominal", "expected a number in (0, 1)")
+    grid = c8.get("grid", {})
+    if not isinstance(grid, dict):
+        fail("claims.C8.grid", "expected a mapping of threshold name to a list of numbers")
+    for key, vals in grid.items():
+        if key not in ("min_tail", "min_neff", "max_weight"):
+            fail(f"claims.C8.grid.{key}", "unknown key; expected min_tail, min_neff, max_weight")
+        if not isinstance(vals, list) or not vals or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            fail(f"claims.C8.grid.{key}", f"expected a non-empty list of numbers, got {vals!r}")

@@ -1,7 +1,8 @@
 """Claims evaluated from in-loop outcomes (``tracesim evict``): C2 end to end, C3, C4, C6.
 
 One outcomes row per (sequence, policy, seed) with ``correct``, ``full_correct``, ``failure``,
-log-prob summaries and certificate aggregates (see ``docs/evict.md``).
+log-prob summaries and certificate aggregates (see ``docs/evict.md``). The ``c*_claim``
+functions are the claims table's entries (:mod:`analysis.claim_registry`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import numpy as np
 import pandas as pd
 
 from analysis.auc import cluster_bootstrap_auc, delong_auc, delong_paired_test
-from analysis.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimResult
+from analysis.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimInputs, ClaimResult
 from analysis.equivalence import paired_noninferiority, paired_tost
 from tracesim.safeio import loads_json
 
-__all__ = ["evaluate_c2_accuracy", "evaluate_c3", "evaluate_c4", "evaluate_c6"]
+__all__ = ["c3_claim", "c4_claim", "c6_claim", "evaluate_c2_accuracy", "evaluate_c3",
+           "evaluate_c4", "evaluate_c6"]
 
 
 def _question_aware(params: str) -> bool:
@@ -147,3 +149,22 @@ def evaluate_c6(outcomes: pd.DataFrame, prereg) -> tuple[ClaimResult, dict]:
     curves = {"cache-induced: certificate": (cert, label),
               "cache-induced: -mean log-prob": (conf, label)}
     return res, curves
+
+
+def c3_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C3 from the in-loop outcomes."""
+    return evaluate_c3(inputs.outcomes, inputs.prereg)
+
+
+def c4_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C4; leaves its ROC inputs as ``artifacts["C4 roc"]``."""
+    res, curves = evaluate_c4(inputs.outcomes, inputs.prereg)
+    inputs.artifacts["C4 roc"] = curves
+    return res
+
+
+def c6_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C6; leaves its ROC inputs as ``artifacts["C6 roc"]``."""
+    res, curves = evaluate_c6(inputs.outcomes, inputs.prereg)
+    inputs.artifacts["C6 roc"] = curves
+    return res

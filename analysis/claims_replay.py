@@ -3,22 +3,42 @@ error), C5 (certificate-gated escalation) and C7 (recomputation scheduling).
 
 Inputs are the replay results table (``tracesim replay`` / ``tracesim sweep``; columns in
 ``docs/replay.md``) as a pandas DataFrame, aggregated over seeds, and the pre-registration.
+C1 and C2 read the eviction designs only (schedules ``oneshot`` and ``decode``): the per-step
+designs (schedule ``step``) are C9's. The ``c*_claim`` functions are the claims table's entries
+(:mod:`analysis.claim_registry`): they take the report's :class:`analysis.claims.ClaimInputs`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.claims import INCONCLUSIVE, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED, ClaimResult
+from analysis.claims import (
+    CERTIFICATES,
+    INCONCLUSIVE,
+    NOT_EVALUATED,
+    NOT_SUPPORTED,
+    SUPPORTED,
+    ClaimInputs,
+    ClaimResult,
+    Fail,
+)
+from analysis.claims_outcomes import evaluate_c2_accuracy
 from analysis.coverage import cluster_coverage
 from analysis.equivalence import paired_tost
 
-__all__ = ["evaluate_c0", "evaluate_c1", "evaluate_c2_attention", "evaluate_c5",
-           "evaluate_c7", "recompute_curves", "tail_bins"]
+__all__ = ["c0_claim", "c1_claim", "c2_claim", "c5_claim", "c7_claim", "check_c1",
+           "eviction_rows", "evaluate_c0", "evaluate_c1", "evaluate_c2_attention", "evaluate_c5",
+           "evaluate_c7", "recompute_curves", "tail_bins", "token_logprobs"]
+
+#: Primary coverage events C1 may pre-register (``primary_event:``).
+C1_EVENTS = ("wald", "satterthwaite")
+#: Recompute budgets of C7's curves (shares of (decode step, head) units).
+RECOMPUTE_BUDGETS = (0.05, 0.1, 0.2)
 
 
 def _claim(prereg, cid: str) -> tuple[dict[str, Any], float]:
@@ -65,6 +85,16 @@ def _certified(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["certified"].astype(bool) & df["cert2"].notna()]
 
 
+def eviction_rows(results: pd.DataFrame) -> pd.DataFrame:
+    """The rows of eviction designs (schedule ``oneshot`` or ``decode``): per-step designs
+    (schedule ``step``) sample the whole cache afresh at every step and evict nothing, so the
+    eviction claims C1 and C2 leave them out. Results without a ``schedule`` column are
+    returned as they are."""
+    if "schedule" not in results:
+        return results
+    return results[results["schedule"] != "step"]
+
+
 def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, Any]]:
     """Certificate coverage, cluster-robust by sequence, stratified by tail size and more."""
     claim, alpha = _claim(prereg, "C1")
@@ -73,7 +103,7 @@ def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, A
               ("satterthwaite", "primary"): "sat_cov",
               ("satterthwaite", "small_sample"): "sat_t_cov"}[
         (claim["primary_event"], claim["certificate"])]
-    df = _certified(results)
+    df = _certified(eviction_rows(results))
     want = claim.get("compare", {})
     if "design" in want:
         df = df[df["design"] == want["design"]]
@@ -119,7 +149,7 @@ def evaluate_c2_attention(results: pd.DataFrame, prereg) -> ClaimResult:
     """Paired TOST of relative attention error: Poisson/Hájek vs top-k at equal budget."""
     claim, alpha = _claim(prereg, "C2")
     res = ClaimResult("C2", claim["hypothesis"])
-    df = results
+    df = eviction_rows(results)
     rand = df[(df["design"] == "poisson") & (df["correction"] == "hajek")]
     det = df[df["design"] == "topk"]
     keys = ["sequence_id", "score", "budget"]
@@ -277,3 +307,66 @@ def evaluate_c7(curves: pd.DataFrame, prereg) -> ClaimResult:
         f"its configs and budgets); gates compared: {['certificate'] + others}")
     res.extra = {"differences": diffs}
     return res
+
+
+def token_logprobs(traces_dir: str | Path) -> dict[str, np.ndarray]:
+    """Generated-token log-probs per sequence id, from a trace store's manifest (for C7's
+    confidence gate)."""
+    from tracesim.store import open_store
+
+    store = open_store(traces_dir)
+    m = store.manifest.select(["sequence_id", "generated_logprobs"]).to_pylist()
+    return {r["sequence_id"]: np.asarray(r["generated_logprobs"], dtype=float) for r in m}
+
+
+def check_c1(claim: dict[str, Any], fail: Fail) -> None:
+    """C1's own pre-registration fields: the primary event, the certificate and the nominal."""
+    if claim.get("primary_event") not in C1_EVENTS:
+        fail("claims.C1.primary_event", f"expected one of {list(C1_EVENTS)}")
+    if claim.get("certificate") not in CERTIFICATES:
+        fail("claims.C1.certificate", f"expected one of {list(CERTIFICATES)}")
+    if not isinstance(claim.get("nominal"), (int, float)) or not 0 < claim["nominal"] < 1:
+        fail("claims.C1.nominal", "expected a number in (0, 1)")
+
+
+def c0_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C0 from the adversary demo (``not evaluated`` without one)."""
+    return evaluate_c0(inputs.adversary, inputs.prereg)
+
+
+def c1_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C1; leaves its strata for the coverage figure as ``artifacts["C1 strata"]``."""
+    res, strata = evaluate_c1(inputs.results, inputs.prereg)
+    inputs.artifacts["C1 strata"] = strata
+    return res
+
+
+def c2_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C2 on attention error from the replay results, with the end-to-end accuracy TOST of the
+    in-loop outcomes added to its detail when they are given (either input may be absent)."""
+    if inputs.given("results"):
+        res = evaluate_c2_attention(inputs.results, inputs.prereg)
+    else:
+        res = ClaimResult("C2", inputs.hypothesis("C2"), detail="no replay results given")
+    if inputs.given("outcomes"):
+        extra = evaluate_c2_accuracy(inputs.outcomes, 0.05, inputs.prereg.claim_alpha("C2"))
+        res.extra.update(extra)
+        if extra:
+            res.detail += (f"; end to end: accuracy difference "
+                           f"{extra['accuracy_difference']:+.3f} over "
+                           f"{extra['accuracy_pairs']} pairs, TOST p = "
+                           f"{extra['accuracy_tost_p']:.3g}")
+    return res
+
+
+def c5_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C5 from the replay results."""
+    return evaluate_c5(inputs.results, inputs.prereg)
+
+
+def c7_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C7; leaves its recovered-error curves as ``artifacts["C7 curves"]``."""
+    logprobs = token_logprobs(inputs.traces_dir) if inputs.traces_dir else None
+    curves = recompute_curves(inputs.results, logprobs, RECOMPUTE_BUDGETS)
+    inputs.artifacts["C7 curves"] = curves
+    return evaluate_c7(curves, inputs.prereg)

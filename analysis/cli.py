@@ -21,12 +21,13 @@ def _command(args: argparse.Namespace) -> int:
                                 ("adversary results", args.adversary),
                                 ("trace store", args.traces), ("tiers results", args.tiers),
                                 ("frontier results", args.frontier),
+                                *(("peers results", d) for d in args.peers or ()),
                                 ("pre-registration file", args.prereg)])
         report = build_report(args.results, args.outcomes, prereg_path=args.prereg,
                               adversary_dir=args.adversary, traces_dir=args.traces,
                               allow_prereg_change=args.allow_prereg_change,
                               tiers_dir=args.tiers, frontier_dir=args.frontier,
-                              trust_unsigned=args.trust_unsigned)
+                              peers_dirs=args.peers or (), trust_unsigned=args.trust_unsigned)
     except (PreregChangedError, ValueError) as exc:
         print(f"tracesim report: {exc}", file=sys.stderr)
         return 2
@@ -68,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--frontier", default=None, metavar="DIR",
                    help="tracesim frontier output to include (default: RESULTS/frontier if "
                         "present); its validity_rules.json is checked and used for C8")
+    p.add_argument("--peers", action="append", default=None, metavar="DIR",
+                   help="a tracesim peers output directory (vAttention rows) for C10; repeat "
+                   "for several (default: none; C10 not evaluated)")
     p.add_argument("--allow-prereg-change", action="store_true",
                    help="report even if the pre-registration changed after the results")
     p.add_argument("--trust-unsigned", action="store_true",

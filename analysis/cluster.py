@@ -14,6 +14,10 @@ The interval ``expit(b ± z sqrt(Var b))`` is the same as statsmodels' (tested),
 one ``bincount`` pass over (stratum, cluster) pairs, so a frontier with thousands of strata costs
 seconds. Degenerate strata (p in {0, 1}, or one cluster) fall back to the exact Clopper–Pearson
 interval of ``round(sum y)`` successes in ``n`` events, as ``cluster_coverage`` does.
+
+For means of any column (not only proportions), :func:`cluster_mean` gives the cluster-robust
+standard error of the mean and :func:`one_sided_bounds` the Student ``t_{k-1}`` bounds the
+per-step claims test with (``k`` clusters).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-__all__ = ["cluster_proportions", "logit_se"]
+__all__ = ["cluster_mean", "cluster_proportions", "logit_se", "one_sided_bounds",
+           "student_quantile"]
 
 
 def cluster_proportions(y: np.ndarray, clusters: np.ndarray, strata: np.ndarray | None = None,
@@ -95,3 +100,53 @@ def logit_se(low: float, high: float, alpha: float) -> float:
         return float("nan")
     return float((np.log(high / (1 - high)) - np.log(low / (1 - low)))
                  / (2 * stats.norm.ppf(1 - alpha / 2)))
+
+
+def cluster_mean(values: pd.Series, clusters: pd.Series) -> tuple[float, float, int]:
+    """Mean of a column, its cluster-robust standard error and the number of clusters.
+
+    Parameters
+    ----------
+    values : pandas.Series of float, shape (n,)
+        One value per row (in the column's units); NaN rows are dropped.
+    clusters : pandas.Series, shape (n,)
+        Cluster label of each row (the sequence id).
+
+    Returns
+    -------
+    mean, se : float
+        The mean over the kept rows and ``sqrt(k / (k - 1) * sum_c r_c^2) / n`` with ``r_c`` a
+        cluster's sum of residuals, in the values' units; ``se`` is NaN with fewer than 2
+        clusters (one sequence says nothing about the next); both NaN without rows.
+    k : int
+        Number of clusters with a kept row.
+    """
+    ok = values.notna()
+    v, c = values[ok].to_numpy(float), clusters[ok].to_numpy()
+    if v.size == 0:
+        return float("nan"), float("nan"), 0
+    m = v.mean()
+    sums = pd.Series(v - m).groupby(c).sum().to_numpy()
+    k = sums.size
+    if k < 2:
+        return float(m), float("nan"), k
+    return float(m), float(np.sqrt(k / (k - 1) * (sums**2).sum()) / v.size), k
+
+
+def student_quantile(p: float, k: int) -> float:
+    """The ``p`` quantile of Student's t with ``k - 1`` degrees of freedom (``k`` clusters);
+    NaN below 2 clusters."""
+    return float(stats.t.ppf(p, k - 1)) if k >= 2 else float("nan")
+
+
+def one_sided_bounds(values: pd.Series, clusters: pd.Series,
+                     p: float) -> tuple[float, float, float]:
+    """Mean and its ``p`` one-sided bounds below and above (cluster-robust, ``t_{k-1}``).
+
+    Returns ``(mean, mean - t_p se, mean + t_p se)`` in the values' units, with ``se`` and
+    ``k`` from :func:`cluster_mean`; the bounds are NaN below 2 clusters, which makes every
+    verdict that compares them inconclusive.
+    """
+    m, se, k = cluster_mean(values, clusters)
+    half = student_quantile(p, k) * se
+    return m, m - half, m + half

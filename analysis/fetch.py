@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.figures import _plt, _png
 from analysis.multiplicity import holm
+from analysis.plotting import png_bytes, pyplot
 from analysis.tiers import _one_sided_p
 
 __all__ = ["POLICY_KEYS", "compare_fetch", "fetch_figure", "fetch_table",
@@ -108,7 +108,7 @@ def fetch_figure(table: pd.DataFrame, full_accuracy: float | None = None,
     ``table`` is :func:`fetch_table`'s output; one panel per base policy would crowd the
     report, so policies are told apart by the line label. Returns the PNG bytes.
     """
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for key, g in table.groupby(["score", "design", "fetch_scheduler"], dropna=False):
         g = g.sort_values("fetch_budget")
@@ -124,7 +124,7 @@ def fetch_figure(table: pd.DataFrame, full_accuracy: float | None = None,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, bbox_to_anchor=(1.02, 1), loc="upper left")
     ax.set_title("In-loop fetches (oracle dashed: not deployable)", fontsize=10)
-    png = _png(fig)
+    png = png_bytes(fig)
     if path is not None:
         Path(path).write_bytes(png)
     return png

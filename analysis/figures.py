@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pandas as pd
+
+from analysis.plotting import png_bytes, pyplot
+from analysis.report_figures import policy_labels
 
 __all__ = ["coverage_figure", "error_budget_figure", "head_budget_figure",
            "recompute_figure", "roc_figure"]
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _plt().close(fig)
-    return buf.getvalue()
-
-
 def coverage_figure(strata: dict, nominal: float) -> bytes:
     """Empirical coverage with cluster-robust intervals per stratum, against nominal."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, max(1, len(strata)), figsize=(4.2 * max(1, len(strata)), 3.4),
                              squeeze=False)
     for ax, (title, res) in zip(axes[0], strata.items(), strict=False):
@@ -41,15 +26,13 @@ def coverage_figure(strata: dict, nominal: float) -> bytes:
         ax.set_ylim(max(0.0, min(0.5, float(np.nanmin(res.ci_low)) - 0.05)), 1.01)
         ax.set_title(f"coverage by {title}", fontsize=10)
         ax.legend(fontsize=8, loc="lower right")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def error_budget_figure(results: pd.DataFrame) -> bytes:
     """Mean relative attention error vs budget, one line per (score, design)."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    from analysis.report_figures import policy_labels
-
     df = results[results["budget_unit"] == "fraction"].copy()
     # Designs that ignore the score give identical rows for every score: one line, one label.
     df["label"] = policy_labels(df)
@@ -62,14 +45,14 @@ def error_budget_figure(results: pd.DataFrame) -> bytes:
     ax.set_yscale("log")
     ax.legend(fontsize=7, ncol=2)
     ax.set_title("attention error vs budget")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def roc_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
     """ROC curves of the failure / attribution signals."""
     from sklearn.metrics import roc_auc_score, roc_curve
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.6, 4.2))
     for name, (score, label) in curves.items():
         if label.all() or not label.any():
@@ -81,12 +64,12 @@ def roc_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
     ax.set_ylabel("true positive rate")
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title("ROC")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def head_budget_figure(results: pd.DataFrame) -> bytes:
     """Mean kept tokens per (layer, KV head) for each allocator of the certified policies."""
-    plt = _plt()
+    plt = pyplot()
     df = results[results["score"] != "full"]
     allocs = sorted(df["allocator"].dropna().unique()) or ["uniform"]
     fig, axes = plt.subplots(1, len(allocs), figsize=(4.2 * len(allocs), 3.6), squeeze=False)
@@ -104,12 +87,12 @@ def head_budget_figure(results: pd.DataFrame) -> bytes:
         ax.set_ylabel("layer")
         ax.set_title(f"kept tokens ({alloc})", fontsize=10)
         fig.colorbar(im, ax=ax)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def recompute_figure(curves: pd.DataFrame) -> bytes:
     """Recovered share of squared error vs recompute budget, per gate."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.8))
     for gate, g in curves.groupby("gate"):
         m = g.groupby("budget")["recovered"].mean()
@@ -118,4 +101,4 @@ def recompute_figure(curves: pd.DataFrame) -> bytes:
     ax.set_ylabel("share of squared error recovered")
     ax.legend(fontsize=8)
     ax.set_title("recomputation scheduling")
-    return _png(fig)
+    return png_bytes(fig)

@@ -93,9 +93,9 @@ def pareto_figure(table: pd.DataFrame) -> bytes:
 
     Non-deployable families (oracle) are drawn dashed with hollow markers.
     """
-    from analysis.figures import _plt, _png
+    from analysis.plotting import png_bytes, pyplot
 
-    plt = _plt()
+    plt = pyplot()
     t = table[table["stratum_kind"] == "all"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     err = t.drop_duplicates(["family", "budget"]).sort_values("memory")
@@ -129,7 +129,7 @@ def pareto_figure(table: pd.DataFrame) -> bytes:
     axes[1].set_title("coverage vs memory")
     axes[1].legend(fontsize=7, loc="lower right")
     axes[0].legend(fontsize=6, loc="upper right", ncol=1)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def _f(x: Any, d: int = 3) -> str:

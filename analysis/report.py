@@ -6,7 +6,9 @@ results were produced under, and writes ``report.md``, a standalone ``report.htm
 embedded as PNG), ``claims.json`` and the figures as PNG files. The report opens with a
 provenance header and a caveat computed from the number of sequences
 (:mod:`analysis.provenance`); the claims table carries each hypothesis and the units of its
-estimate; every figure has a caption.
+estimate; every figure has a caption. The claims evaluated are those of the claims table
+(:mod:`analysis.claim_registry`); this module only loads their inputs, applies Holm and
+presents the results.
 """
 
 from __future__ import annotations
@@ -14,34 +16,27 @@ from __future__ import annotations
 import base64
 import html
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
 from analysis import figures
 from analysis import report_figures as rfig
-from analysis.claims import INCONCLUSIVE, SUPPORTED, ClaimResult, claims_table
-from analysis.claims_c8 import evaluate_c8
-from analysis.claims_outcomes import evaluate_c2_accuracy, evaluate_c3, evaluate_c4, evaluate_c6
-from analysis.claims_replay import (
-    evaluate_c0,
-    evaluate_c1,
-    evaluate_c2_attention,
-    evaluate_c5,
-    evaluate_c7,
-    recompute_curves,
-)
+from analysis.adaptive import adaptive_table
+from analysis.claim_registry import claims_table, registered_claims
+from analysis.claims import INCONCLUSIVE, INPUT_MISSING, SUPPORTED, ClaimInputs, ClaimResult
 from analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch_outcomes
 from analysis.multiplicity import holm
 from analysis.prereg import Preregistration, check_prereg_hash, load_prereg
 from analysis.provenance import Provenance, collect_provenance
-from analysis.results_io import _read_json, load_outcomes, load_results
+from analysis.results_io import _read_json, load_outcomes, load_peers, load_results
 
-__all__ = ["Report", "build_report", "load_results"]
+__all__ = ["Report", "build_report", "load_results", "write_report"]
+
 
 def _recorded_hash(summary: dict[str, Any] | None) -> str | None:
     if not summary:
@@ -83,15 +78,19 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                  allow_prereg_change: bool = False,
                  tiers_dir: str | Path | None = None,
                  frontier_dir: str | Path | None = None,
+                 peers_dirs: Sequence[str | Path] = (),
                  trust_unsigned: bool = False) -> Report:
-    """Evaluate every claim of the pre-registration on the given results.
+    """Evaluate every claim of the claims table (:mod:`analysis.claim_registry`) on the given
+    results.
 
     ``frontier_dir`` (default ``RESULTS/frontier`` when present) is a ``tracesim frontier``
     output: its tables and figure are included, and its ``validity_rules.json`` is used for C8
     after checking it was fit on calibration sequences only (``ValidityRuleError`` if not).
-    ``tiers_dir`` is a ``tracesim tiers`` output: C7 in bytes and modelled time. Results are
+    ``tiers_dir`` is a ``tracesim tiers`` output: C7 in bytes and modelled time.
+    ``peers_dirs`` are ``tracesim peers`` outputs: C10 (vAttention's guarantee). Results are
     verified against their summary (:func:`load_results`); ``trust_unsigned`` accepts
-    results whose summary records no hash, with a warning in the report.
+    results whose summary records no hash, with a warning in the report. A claim whose inputs
+    are absent is listed as ``not evaluated`` with the input it lacks.
     """
     prereg = load_prereg(prereg_path)
     results = summary_r = outcomes = summary_o = None
@@ -102,6 +101,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     if outcomes_dir is not None:
         outcomes, summary_o = load_outcomes(outcomes_dir, trust_unsigned=trust_unsigned,
                                             notes=load_notes)
+    peers = load_peers(peers_dirs) if peers_dirs else pd.DataFrame()
     matches = True
     for name, summary in (("results", summary_r), ("outcomes", summary_o)):
         if summary is not None or (name == "results" and results is not None):
@@ -115,80 +115,33 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     if not matches:
         report.notes.append("WARNING: the pre-registration changed after these results were "
                             "produced; reported anyway because --allow-prereg-change was given.")
+    report.notes += [f"WARNING: {Path(d).name}/peers.parquet (C10) records no sha256 and no "
+                     "pre-registration hash (tracesim peers does not sign its table); it is "
+                     "read as given" for d in peers_dirs]
     adversary = None
     for d in (adversary_dir, results_dir):
         if d is not None and (Path(d) / "adversary.json").is_file():
             adversary = _read_json(Path(d) / "adversary.json")
             break
-    claims: dict[str, ClaimResult] = {"C0": evaluate_c0(adversary, prereg)}
-    empty = pd.DataFrame()
-    res_df = results if results is not None else empty
-    out_df = outcomes if outcomes is not None else empty
     # In-loop fetch runs repeat every (policy, seed) once per fetch scheduler and budget: the
     # outcome claims read plain eviction only (no fetching, or the `none` scheduler).
-    out_df, fetch_df = split_fetch_outcomes(out_df)
-    if not res_df.empty:
-        # First: a validity rule fitted on held-out sequences stops the report before any work.
-        claims["C8"] = _c8(res_df, prereg, results_dir, frontier_dir, report)
-        c1, strata = evaluate_c1(res_df, prereg)
-        claims["C1"] = c1
-        if strata:
-            report.add_figure("coverage", (figures.coverage_figure(
-                strata, float(prereg.claims["C1"]["nominal"])), _COVERAGE_CAPTION.format(
-                column=c1.extra.get("column", "?"), nominal=prereg.claims["C1"]["nominal"])))
-            report.tables["coverage strata"] = "\n\n".join(
-                f"by {k}\n{v.summary()}" for k, v in strata.items())
-        claims["C2"] = evaluate_c2_attention(res_df, prereg)
-        claims["C5"] = evaluate_c5(res_df, prereg)
-        logprobs = _logprobs(traces_dir) if traces_dir else None
-        curves = recompute_curves(res_df, logprobs, (0.05, 0.1, 0.2))
-        claims["C7"] = evaluate_c7(curves, prereg)
-        nominal = float(prereg.claims["C1"]["nominal"])
-        report.add_figure("certificate_vs_error", rfig.certificate_error_figure(res_df))
-        report.add_figure("coverage_vs_level", rfig.coverage_level_figure(
-            res_df, report.provenance.head_dim))
-        report.add_figure("coverage_by_head", rfig.coverage_heatmap(
-            res_df, c1.extra.get("column", "wald_cov"), nominal))
-        report.add_figure("error_vs_budget", (figures.error_budget_figure(res_df),
-                                              _ERROR_CAPTION))
-        report.add_figure("head_budgets", (figures.head_budget_figure(res_df), _HEADS_CAPTION))
-        if not curves.empty:
-            report.add_figure("recompute", (figures.recompute_figure(curves),
-                                            _RECOMPUTE_CAPTION))
-    else:
-        for cid in ("C1", "C2", "C5", "C7", "C8"):
-            claims[cid] = ClaimResult(cid, prereg.claims[cid]["hypothesis"],
-                                      detail="no replay results given")
-    if not out_df.empty:
-        extra = evaluate_c2_accuracy(out_df, 0.05, prereg.claim_alpha("C2"))
-        claims["C2"].extra.update(extra)
-        if extra:
-            claims["C2"].detail += (f"; end to end: accuracy difference "
-                                    f"{extra['accuracy_difference']:+.3f} over "
-                                    f"{extra['accuracy_pairs']} pairs, TOST p = "
-                                    f"{extra['accuracy_tost_p']:.3g}")
-        claims["C3"] = evaluate_c3(out_df, prereg)
-        c4, roc4 = evaluate_c4(out_df, prereg)
-        c6, roc6 = evaluate_c6(out_df, prereg)
-        claims["C4"], claims["C6"] = c4, c6
-        if roc4 or roc6:
-            report.add_figure("roc", (figures.roc_figure({**roc4, **roc6}), _ROC_CAPTION))
-        report.add_figure("accuracy_vs_budget", rfig.accuracy_budget_figure(out_df))
-        cols = dict(accuracy=("correct", "mean"), full_cache=("full_correct", "mean"),
-                    runs=("correct", "size"))
-        if "kept_fraction" in out_df:
-            cols["kept_fraction"] = ("kept_fraction", "mean")
-        acc = out_df.groupby(["score", "design", "correction", "budget"], dropna=False).agg(**cols)
-        report.tables["end-to-end accuracy"] = acc.round(3).to_string()
-    else:
-        for cid in ("C3", "C4", "C6"):
-            claims[cid] = ClaimResult(cid, prereg.claims[cid]["hypothesis"],
-                                      detail="no in-loop outcomes given")
-    claims["C9"] = _c9(res_df, prereg, report)
-    claims["C10"] = ClaimResult("C10", prereg.claims["C10"]["hypothesis"],
-                                detail="evaluated from `tracesim peers` output by "
-                                "`python -m analysis.adaptive RESULTS --prereg PREREG --peers "
-                                "DIR...` (docs/adaptive.md)")
+    out_df, fetch_df = split_fetch_outcomes(outcomes if outcomes is not None else pd.DataFrame())
+    fdir = Path(frontier_dir) if frontier_dir is not None else (
+        Path(results_dir) / "frontier" if results_dir is not None else None)
+    inputs = ClaimInputs(prereg=prereg,
+                         results=results if results is not None else pd.DataFrame(),
+                         outcomes=out_df, peers=peers, adversary=adversary,
+                         traces_dir=Path(traces_dir) if traces_dir else None, frontier_dir=fdir)
+    claims = _evaluate(inputs)
+    if inputs.given("results"):
+        _add_replay_parts(report, inputs, claims, fdir)
+    if inputs.given("outcomes"):
+        _add_outcome_parts(report, inputs)
+    res_df = inputs.results
+    if not res_df.empty and "score" in res_df and (res_df["score"] == "perstep").any():
+        table = adaptive_table(res_df, report.provenance.head_dim or 64)
+        report.tables["per-step designs"] = table.to_string(
+            index=False, float_format=lambda x: f"{x:.4g}")
     if not fetch_df.empty:
         _add_fetch(report, fetch_df, out_df)
     if tiers_dir is not None:
@@ -206,32 +159,64 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     return report
 
 
-def _c9(res_df: pd.DataFrame, prereg: Preregistration, report: Report) -> ClaimResult:
-    """C9 (per-step designs); their table in the report when the results hold any."""
-    from analysis.adaptive import adaptive_table, c9_claim
+def _evaluate(inputs: ClaimInputs) -> dict[str, ClaimResult]:
+    """Every registered claim on ``inputs`` (those marked ``first`` before the others); a
+    claim lacking an input it needs is ``not evaluated`` with the reason."""
+    table = registered_claims()
+    out: dict[str, ClaimResult] = {}
+    for claim in sorted(table, key=lambda c: not c.first):
+        lacking = [n for n in claim.needs if not inputs.given(n)]
+        out[claim.id] = (ClaimResult(claim.id, inputs.hypothesis(claim.id),
+                                     detail=INPUT_MISSING[lacking[0]]) if lacking
+                         else claim.evaluate(inputs))
+    return out
 
-    if not res_df.empty and "score" in res_df and (res_df["score"] == "perstep").any():
-        table = adaptive_table(res_df, report.provenance.head_dim or 64)
-        report.tables["per-step designs"] = table.to_string(
-            index=False, float_format=lambda x: f"{x:.4g}")
-    return c9_claim(res_df, prereg)
+
+def _add_replay_parts(report: Report, inputs: ClaimInputs, claims: dict[str, ClaimResult],
+                      fdir: Path | None) -> None:
+    """The figures and tables of the replay results, in the order the report prints them: the
+    frontier, C1's strata, the certificate and error figures, C7's recompute curves."""
+    if fdir is not None:
+        _add_frontier(report, fdir)
+    prereg, res_df, c1 = inputs.prereg, inputs.results, claims["C1"]
+    nominal = float(prereg.claims["C1"]["nominal"])
+    strata = inputs.artifacts.get("C1 strata")
+    if strata:
+        report.add_figure("coverage", (figures.coverage_figure(strata, nominal),
+                                       _COVERAGE_CAPTION.format(
+            column=c1.extra.get("column", "?"), nominal=prereg.claims["C1"]["nominal"])))
+        report.tables["coverage strata"] = "\n\n".join(
+            f"by {k}\n{v.summary()}" for k, v in strata.items())
+    report.add_figure("certificate_vs_error", rfig.certificate_error_figure(res_df))
+    report.add_figure("coverage_vs_level", rfig.coverage_level_figure(
+        res_df, report.provenance.head_dim))
+    report.add_figure("coverage_by_head", rfig.coverage_heatmap(
+        res_df, c1.extra.get("column", "wald_cov"), nominal))
+    report.add_figure("error_vs_budget", (figures.error_budget_figure(res_df), _ERROR_CAPTION))
+    report.add_figure("head_budgets", (figures.head_budget_figure(res_df), _HEADS_CAPTION))
+    curves = inputs.artifacts.get("C7 curves")
+    if curves is not None and not curves.empty:
+        report.add_figure("recompute", (figures.recompute_figure(curves), _RECOMPUTE_CAPTION))
 
 
-def _c8(res_df: pd.DataFrame, prereg: Preregistration, results_dir, frontier_dir,
-        report: Report) -> ClaimResult:
-    """C8 with the frontier's rules when given (checked), else rules fitted here; include the
-    frontier's Markdown and figure in the report."""
-    from analysis.validity import load_rules
+def _add_outcome_parts(report: Report, inputs: ClaimInputs) -> None:
+    """The figures and the accuracy table of the in-loop outcomes (C4 and C6's ROC curves)."""
+    out_df = inputs.outcomes
+    roc4, roc6 = inputs.artifacts.get("C4 roc", {}), inputs.artifacts.get("C6 roc", {})
+    if roc4 or roc6:
+        report.add_figure("roc", (figures.roc_figure({**roc4, **roc6}), _ROC_CAPTION))
+    report.add_figure("accuracy_vs_budget", rfig.accuracy_budget_figure(out_df))
+    cols = dict(accuracy=("correct", "mean"), full_cache=("full_correct", "mean"),
+                runs=("correct", "size"))
+    if "kept_fraction" in out_df:
+        cols["kept_fraction"] = ("kept_fraction", "mean")
+    acc = out_df.groupby(["score", "design", "correction", "budget"], dropna=False).agg(**cols)
+    report.tables["end-to-end accuracy"] = acc.round(3).to_string()
 
-    fdir = Path(frontier_dir) if frontier_dir is not None else (
-        Path(results_dir) / "frontier" if results_dir is not None else None)
-    rules = None
-    if fdir is not None and (fdir / "validity_rules.json").is_file():
-        rules = load_rules(fdir / "validity_rules.json")
-    c8, _ = evaluate_c8(res_df, prereg, rules)
-    if rules is not None:
-        c8.detail += f"; rules from {fdir.name}/validity_rules.json"
-    if fdir is not None and (fdir / "frontier.md").is_file():
+
+def _add_frontier(report: Report, fdir: Path) -> None:
+    """The ``tracesim frontier`` output's Markdown and figure, when it has them."""
+    if (fdir / "frontier.md").is_file():
         from tracesim.safeio import read_bytes, read_text
 
         # bounded reads: a frontier directory may come from someone else
@@ -240,7 +225,6 @@ def _c8(res_df: pd.DataFrame, prereg: Preregistration, results_dir, frontier_dir
         if (fdir / "frontier.png").is_file():
             report.add_figure("frontier", (read_bytes(fdir / "frontier.png", 64 << 20,
                                                       "frontier figure"), _FRONTIER_CAPTION))
-    return c8
 
 
 _FRONTIER_CAPTION = (
@@ -316,14 +300,6 @@ _ROC_CAPTION = (
     "Claims C4 and C6: ROC curves of the failure and attribution signals (AUC in the "
     "legend). Runs of one sequence are dependent; intervals and tests are in the claims "
     "table (cluster bootstrap over sequences).")
-
-
-def _logprobs(traces_dir: str | Path) -> dict[str, np.ndarray]:
-    from tracesim.store import open_store
-
-    store = open_store(traces_dir)
-    m = store.manifest.select(["sequence_id", "generated_logprobs"]).to_pylist()
-    return {r["sequence_id"]: np.asarray(r["generated_logprobs"], dtype=float) for r in m}
 
 
 def _tier_class(tier: str) -> str:

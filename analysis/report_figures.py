@@ -12,7 +12,7 @@ import pandas as pd
 from scipy import stats
 
 from analysis.coverage import calibration_curve
-from analysis.figures import _plt, _png
+from analysis.plotting import png_bytes, pyplot
 
 __all__ = ["accuracy_budget_figure", "certificate_error_figure", "coverage_heatmap",
            "coverage_level_figure", "policy_labels"]
@@ -47,7 +47,7 @@ def certificate_error_figure(results: pd.DataFrame) -> tuple[bytes, str] | None:
     df = _certified(results)
     if df.empty:
         return None
-    plt = _plt()
+    plt = pyplot()
     designs = sorted(df["design"].unique())
     fig, axes = plt.subplots(1, len(designs), figsize=(4.4 * len(designs), 4.0), squeeze=False,
                              sharex=True, sharey=True)
@@ -92,7 +92,7 @@ def certificate_error_figure(results: pd.DataFrame) -> tuple[bytes, str] | None:
                "about C at the mean, the median of a norm is smaller). Median |e|/C: "
                + ", ".join(ratios) + ". Rows with a zero certificate (nothing sampled) are "
                "left out; errors outside the axes are drawn at the border.")
-    return _png(fig), caption
+    return png_bytes(fig), caption
 
 
 def _log_norm(vmax: float):
@@ -107,7 +107,7 @@ def coverage_level_figure(results: pd.DataFrame,
     df = _certified(results)
     if df.empty:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.2, 4.2))
     levels = np.linspace(0.5, 0.99, 50)
     d = int(head_dim) if head_dim else 64
@@ -137,7 +137,7 @@ def coverage_level_figure(results: pd.DataFrame,
                "above it, conservative. Rows are not independent "
                "(one sequence gives many), so the curve has no interval; the C1 figure has "
                "cluster-robust ones.")
-    return _png(fig), caption
+    return png_bytes(fig), caption
 
 
 def accuracy_budget_figure(outcomes: pd.DataFrame) -> tuple[bytes, str] | None:
@@ -153,7 +153,7 @@ def accuracy_budget_figure(outcomes: pd.DataFrame) -> tuple[bytes, str] | None:
     ev = ev[pd.to_numeric(ev["budget"], errors="coerce").notna()]
     if ev.empty:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     n_seq = df["sequence_id"].nunique()
     groups = list(ev.groupby("label"))
@@ -187,7 +187,7 @@ def accuracy_budget_figure(outcomes: pd.DataFrame) -> tuple[bytes, str] | None:
                "is the full cache on the same sequences. Points are dodged sideways so that "
                "tied policies stay visible. With few sequences the points move in steps of "
                "1/n.")
-    return _png(fig), caption
+    return png_bytes(fig), caption
 
 
 def coverage_heatmap(results: pd.DataFrame, column: str, nominal: float,
@@ -200,7 +200,7 @@ def coverage_heatmap(results: pd.DataFrame, column: str, nominal: float,
     from matplotlib.colors import TwoSlopeNorm
 
     df = df[df[column].notna()]
-    plt = _plt()
+    plt = pyplot()
     designs = sorted(df["design"].unique())
     layers = np.sort(df["layer"].unique())
     heads = np.sort(df["head"].unique())
@@ -247,4 +247,4 @@ def coverage_heatmap(results: pd.DataFrame, column: str, nominal: float,
                f"backed by fewer than {min_clusters} sequences are grey. " + "; ".join(ns)
                + ". Rows within a cell share sequences, so a single dark cell is weak "
                "evidence; look for whole layers or heads.")
-    return _png(fig), caption
+    return png_bytes(fig), caption

@@ -1,4 +1,5 @@
-"""Reading a results directory for the report: the table, verified against its summary."""
+"""Reading the report's inputs: results and outcomes verified against their summary, and the
+``tracesim peers`` tables."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 
-__all__ = ["RESULT_FILES", "load_outcomes", "load_results"]
+__all__ = ["PEER_CLAIM_COLUMNS", "RESULT_FILES", "load_outcomes", "load_peers",
+           "load_results"]
 
 RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet")
+#: Columns of ``peers.parquet`` that claim C10 reads.
+PEER_CLAIM_COLUMNS = ("sequence_id", "config_id", "peer_bound_ok", "peer_den_ok", "kept_tokens")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -77,3 +81,38 @@ def load_outcomes(directory: str | Path, *, trust_unsigned: bool = False,
         notes.extend(found)
     return table.to_pandas(), summary
 
+
+
+def load_peers(directories: list[str | Path] | tuple[str | Path, ...]) -> pd.DataFrame:
+    """The ``peers.parquet`` tables of ``tracesim peers`` output directories, in order.
+
+    Each table must hold the columns C10 reads (:data:`PEER_CLAIM_COLUMNS`) and, where the
+    directory has its ``peers.json``, the row count recorded there. ``tracesim peers`` records
+    no sha256 of its table, so nothing stronger is checked: the report says so.
+
+    Raises
+    ------
+    ValueError
+        Naming the directory and what is missing or does not match.
+    """
+    frames = []
+    for directory in directories:
+        d = Path(directory)
+        path = d / "peers.parquet"
+        if not path.is_file():
+            raise ValueError(f"{d}: no peers.parquet, expected a tracesim peers output "
+                             "directory")
+        with pq.ParquetFile(path) as fh:
+            table = fh.read()
+        missing = [c for c in PEER_CLAIM_COLUMNS if c not in table.column_names]
+        if missing:
+            raise ValueError(f"{path}: columns {missing} are missing, expected tracesim "
+                             "peers output")
+        record = _read_json(d / "peers.json")
+        if record is not None and record.get("rows") != table.num_rows:
+            raise ValueError(f"{path}: {table.num_rows} rows, expected the "
+                             f"{record.get('rows')} that peers.json records")
+        frames.append(table.to_pandas())
+    if not frames:
+        raise ValueError("expected at least one tracesim peers output directory")
+    return pd.concat(frames)

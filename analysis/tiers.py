@@ -23,8 +23,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.figures import _plt, _png
 from analysis.multiplicity import holm
+from analysis.plotting import png_bytes, pyplot
 
 __all__ = ["compare_schedulers", "scheduler_curves", "tiers_figure", "tiers_tables"]
 
@@ -117,7 +117,7 @@ def tiers_figure(curves: pd.DataFrame, path: str | Path | None = None) -> bytes:
 
     Returns the PNG bytes (also written to ``path`` when given).
     """
-    plt = _plt()
+    plt = pyplot()
     agg = (curves.groupby(["scheduler", "fetch_budget"])
            [["err2_before", "err2_after", "bytes_moved", "evicted_bytes", "stall_ms"]].sum()
            .reset_index())
@@ -143,7 +143,7 @@ def tiers_figure(curves: pd.DataFrame, path: str | Path | None = None) -> bytes:
     fig.suptitle(f"Fetch schedulers over {n_seq} sequences (oracle dashed: not deployable)",
                  fontsize=10)
     fig.tight_layout()
-    png = _png(fig)
+    png = png_bytes(fig)
     if path is not None:
         Path(path).write_bytes(png)
     return png

@@ -376,10 +376,11 @@ def test_cost_columns_follow_the_memory_model():
 def test_claims_need_two_sequences_and_paired_sequences():
     import pandas as pd
 
-    from analysis.adaptive import _one_sided, evaluate_c9
+    from analysis.adaptive import evaluate_c9
+    from analysis.cluster import one_sided_bounds
     from analysis.prereg import load_prereg
 
-    m, lo, hi = _one_sided(pd.Series([1.0, 0.0, 1.0, 1.0]), pd.Series(["a"] * 4), 0.95)
+    m, lo, hi = one_sided_bounds(pd.Series([1.0, 0.0, 1.0, 1.0]), pd.Series(["a"] * 4), 0.95)
     assert m == 0.75 and np.isnan(lo) and np.isnan(hi)  # one sequence: no interval
     pre = load_prereg("data/prereg.yaml")
     prim = make_policy("perstep", "poisson", 0.25, schedule="step",

@@ -1,0 +1,156 @@
+"""Claims on the per-step designs: C9 (replay results) and C10 (vAttention, ``tracesim peers``).
+
+C9: the pre-registered per-step Poisson design covers within its interval on held-out
+sequences with an MSE no larger than per-query top-k by the same proxy (``docs/adaptive.md``).
+C10: vAttention's ``(epsilon, delta)`` statement, ``|o_hat - o| <= epsilon |o|`` failing at a
+rate ``<= delta``, per configuration of its pre-registered list (``docs/peers.md``).
+Intervals are cluster-robust by sequence with Student ``t_{k-1}`` quantiles
+(:func:`analysis.cluster.one_sided_bounds`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+
+from analysis.claims import ClaimInputs, ClaimResult
+from analysis.cluster import one_sided_bounds
+
+__all__ = ["c9_claim", "c10_claim", "evaluate_c9", "evaluate_c10"]
+
+
+def _matches(meta: pd.Series, want: dict) -> bool:
+    from tracesim.policies.grid import parse_schedule
+
+    params = json.loads(meta["score_params"]) if meta["score"] == "perstep" else {}
+    if "schedule" in want:
+        want = {**want, "schedule": parse_schedule(want["schedule"], "compare").label()}
+    checks = {"score": meta["score"], "design": meta["design"], "budget": meta["budget"],
+              "schedule": meta["config_id"].split("|")[4],
+              "correction": meta["correction"], "mixture": meta["mixture"],
+              "top_fraction": meta["top_fraction"], **params}
+    return all(k in checks and checks[k] == v for k, v in want.items())
+
+
+def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
+    """C9 on held-out results: coverage CI against the interval, paired MSE test vs top-k."""
+    from scipy import stats
+
+    first = df.drop_duplicates("config_id")
+    pick = {}
+    for role in ("primary", "baseline"):
+        ids = [r.config_id for _, r in first.iterrows() if _matches(r, claim["compare"][role])]
+        if len(ids) != 1:
+            raise ValueError(f"C9: compare.{role} matches {len(ids)} configurations in the "
+                             "results, expected exactly 1")
+        pick[role] = ids[0]
+    p = df[df.config_id == pick["primary"]]
+    b = df[df.config_id == pick["baseline"]]
+    lo_iv, hi_iv = claim["interval"]
+    # (1 - 2 alpha) two-sided = alpha one-sided on each side
+    cov, lo2, hi2 = one_sided_bounds(p["wald_cov"], p["sequence_id"], 1 - alpha)
+    _, lo1, hi1 = one_sided_bounds(p["wald_cov"], p["sequence_id"], 1 - alpha / 2)
+    mp = p.groupby("sequence_id")["err2"].mean()
+    mb = b.groupby("sequence_id")["err2"].mean()
+    if set(mp.index) != set(mb.index):
+        raise ValueError("C9: the primary and baseline configurations cover different "
+                         f"sequences ({len(mp)} and {len(mb)}), expected the same for the "
+                         "paired test")
+    mb = mb.loc[mp.index]
+    if not ((mp > 0) & (mb > 0) & np.isfinite(mp) & np.isfinite(mb)).all():
+        raise ValueError("C9: a sequence has a zero or non-finite MSE, expected positive "
+                         "MSEs for the paired log-ratio test")
+    ratio = np.log(mp / mb)
+    t = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="less")
+    t_gt = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="greater")
+    within = lo_iv <= lo2 and hi2 <= hi_iv
+    outside = hi1 < lo_iv or lo1 > hi_iv
+    if within and t.pvalue < alpha:
+        verdict = "supported"
+    elif outside or t_gt.pvalue < alpha:
+        verdict = "not supported"
+    else:
+        verdict = "inconclusive"
+    return {"claim": "C9", "coverage": cov, "ci_90": (lo2, hi2), "ci_95": (lo1, hi1),
+            "sequences": int(p.sequence_id.nunique()), "rows": len(p),
+            "mse_ratio_geomean": float(np.exp(ratio.mean())), "mse_p": float(t.pvalue),
+            "verdict": verdict, "primary": pick["primary"], "baseline": pick["baseline"]}
+
+
+def _vattention_label(want: dict) -> str:
+    """The ``config_id`` ``tracesim peers`` gives the vAttention configuration ``want``."""
+    return ("vattention(" + ",".join(f"{k}={want[k]:g}" for k in (
+        "sinks", "local", "heavy", "base_rate", "epsilon", "delta")) + ")")
+
+
+def evaluate_c10(peers: pd.DataFrame, claim: dict, alpha: float) -> dict:
+    """C10: per configuration, the violation rate of vAttention's bound with a one-sided
+    cluster-robust bound, against its nominal delta."""
+    rows, verdicts = [], []
+    for want in claim["compare"]:
+        label = _vattention_label(want)
+        g = peers[peers.config_id == label]
+        if g.empty:
+            raise ValueError(f"C10: no rows of {label} in the peers results")
+        viol = 1.0 - g["peer_bound_ok"]
+        rate, lo, hi = one_sided_bounds(viol, g["sequence_id"], 1 - alpha)
+        delta = float(want["delta"])
+        verdicts.append("supported" if hi <= delta else
+                        "not supported" if lo > delta else "inconclusive")  # NaN: neither
+        rows.append({"config": label, "violation_rate": rate, "one_sided_bounds": (lo, hi),
+                     "delta": delta, "rows": len(g), "sequences": int(g.sequence_id.nunique()),
+                     "den_violation_rate": float(1.0 - g["peer_den_ok"].mean()),
+                     "kept_tokens": float(g["kept_tokens"].mean())})
+    verdict = ("not supported" if "not supported" in verdicts else
+               "supported" if all(v == "supported" for v in verdicts) else "inconclusive")
+    return {"claim": "C10", "configs": rows, "verdict": verdict}
+
+
+def c9_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C9 as a row of the claims table (``not evaluated`` without per-step rows, or with the
+    reason the pre-registered configurations cannot be compared)."""
+    df, prereg = inputs.results, inputs.prereg
+    claim = prereg.claims["C9"]
+    if df.empty or "score" not in df or not (df["score"] == "perstep").any():
+        return ClaimResult("C9", claim["hypothesis"], detail="no per-step results given")
+    try:
+        r = evaluate_c9(df, claim, prereg.claim_alpha("C9"))
+    except ValueError as exc:
+        return ClaimResult("C9", claim["hypothesis"], detail=str(exc))
+    return ClaimResult("C9", claim["hypothesis"], estimate=r["coverage"],
+                       ci_low=r["ci_90"][0], ci_high=r["ci_90"][1], pvalue=r["mse_p"],
+                       verdict=r["verdict"],
+                       detail=(f"held-out Wald coverage, 90 % CI by sequence ({r['sequences']} "
+                               f"sequences, {r['rows']} rows); MSE / per-query top-k "
+                               f"{r['mse_ratio_geomean']:.3g} (geometric mean over sequences)"))
+
+
+def c10_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C10 as a row of the claims table, from the ``tracesim peers`` rows.
+
+    The estimate is the violation rate of the configuration nearest its delta (the largest
+    upper bound minus delta), with that configuration's one-sided ``1 - alpha`` bounds as the
+    interval; every configuration is in ``extra["configs"]`` and the detail. The verdict rule
+    compares bounds, not a p-value, so C10 takes no part in Holm's correction.
+    """
+    claim = inputs.prereg.claims["C10"]
+    alpha = inputs.prereg.claim_alpha("C10")
+    try:
+        r = evaluate_c10(inputs.peers, claim, alpha)
+    except ValueError as exc:
+        return ClaimResult("C10", claim["hypothesis"], detail=str(exc))
+    configs = r["configs"]
+    nearest = max(configs, key=lambda c: (np.nan_to_num(c["one_sided_bounds"][1], nan=np.inf)
+                                          - c["delta"]))
+    lo, hi = nearest["one_sided_bounds"]
+    parts = [f"{c['config']}: violation rate {c['violation_rate']:.3g} (one-sided "
+             f"{1 - alpha:g} bounds {c['one_sided_bounds'][0]:.3g}, "
+             f"{c['one_sided_bounds'][1]:.3g}) against delta {c['delta']:g}, {c['rows']} rows "
+             f"of {c['sequences']} sequences, {c['kept_tokens']:.4g} tokens kept per step"
+             for c in configs]
+    return ClaimResult("C10", claim["hypothesis"], estimate=nearest["violation_rate"],
+                       ci_low=lo, ci_high=hi, verdict=r["verdict"],
+                       detail="; ".join(parts) + "; bounds cluster-robust by sequence",
+                       extra={"configs": configs, "nearest": nearest["config"]})
