@@ -124,3 +124,64 @@ def test_sweep_dry_run_prints_the_warning_and_lists_the_merge(tmp_path, capsys):
     assert "tracesim sweep: warning:" in err and "effective budget is 10 tokens" in err
     assert "skipped: bernoulli ignores the score: h2o" in out
     assert "grid: 2 configuration(s)" in out
+
+
+def test_uses_scores_merges_what_the_old_rule_merged():
+    """``Design.uses_scores`` replaced ``isinstance(d, Bernoulli) or d.mixture == 1``: the same
+    built-in designs ignore the score, so the same configurations merge."""
+    from tracesim.designs import Bernoulli, OrderSampling, PoissonPPS, TopK
+    from tracesim.policies.equivalence import design_ignores_score
+
+    designs = [Bernoulli(), TopK()]
+    for mixture in (0.0, 0.1, 0.5, 0.999, 1.0, 1):
+        for floor in (0.0, 0.05):
+            designs.append(PoissonPPS(mixture=mixture, floor=floor))
+            designs += [OrderSampling(kind=k, mixture=mixture, floor=floor)
+                        for k in ("pareto", "sequential")]
+    for d in designs:
+        old = isinstance(d, Bernoulli) or float(getattr(d, "mixture", 0.0)) == 1.0
+        assert design_ignores_score(d) is old and d.uses_scores is not old, d
+    assert design_ignores_score(None) is False
+    grid = {"score": ["snapkv", "h2o", "tova"], "design": ["bernoulli", "poisson", "fixed",
+                                                           "topk"],
+            "budget": [0.25, 8], "score_params": {"*": SP},
+            "design_params": {"poisson": {"mixture": [0.0, 1.0]},
+                              "fixed": {"mixture": [0.5, 1.0], "kind": ["pareto",
+                                                                        "sequential"]}}}
+    e = expand_grid(grid)
+    merged = {(p.design.name, p.design.params_json()) for p in e.policies
+              if p.score.name != "snapkv"}
+    assert merged == {("poisson", '{"floor": 0.0, "mixture": 0.0}'),
+                      ("fixed", '{"floor": 0.0, "kind": "pareto", "mixture": 0.5}'),
+                      ("fixed", '{"floor": 0.0, "kind": "sequential", "mixture": 0.5}'),
+                      ("topk", "{}")}
+    # per budget: bernoulli 1, poisson 3 + 1, fixed 2 x 3 + 2 x 1, topk 3
+    assert len(e.policies) == 2 * (1 + 3 + 1 + 2 * 3 + 2 + 3)
+
+
+def test_a_plugin_design_that_ignores_the_score_is_merged_too():
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from tracesim.designs import Design
+    from tracesim.plugins import register_design
+    from tracesim.registry import DESIGN_REGISTRY
+
+    @dataclass(frozen=True)
+    class Flat(Design):
+        name: ClassVar[str] = "test_flat_merged"
+        uses_scores: ClassVar[bool] = False
+
+        def inclusion_probabilities(self, scores, n):
+            return np.full(len(scores), n / len(scores))
+
+    register_design(Flat)
+    try:
+        pols = policy_grid(["snapkv", "h2o"], ["test_flat_merged"], [0.25],
+                           score_params={"snapkv": SP, "h2o": SP})
+        assert [p.score.name for p in pols] == ["snapkv"]
+        assert len(policy_grid(["snapkv", "h2o"], ["test_flat_merged"], [0.25],
+                               score_params={"snapkv": SP, "h2o": SP}, merge=False)) == 2
+    finally:
+        DESIGN_REGISTRY.registered.pop("test_flat_merged", None)
+        DESIGN_REGISTRY.loaded_hash.pop("test_flat_merged", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.sweep_fixtures import build_sweep_store
-from tracesim.plugins import plugin_provenance, provenance, register_score
-from tracesim.policies import SCORE_REGISTRY, Score, make_policy, make_score
+from tracesim.designs import Design, inclusion_probabilities
+from tracesim.plugins import (
+    plugin_provenance,
+    provenance,
+    register_design,
+    register_proxy,
+    register_score,
+)
+from tracesim.policies import SCORE_REGISTRY, Policy, Score, make_policy, make_score
+from tracesim.proxies import Proxy
+from tracesim.registry import DESIGN_REGISTRY, PROXY_REGISTRY
 from tracesim.replay import replay
 from tracesim.store import open_store
 from tracesim.sweep import SpecError, load_spec, parse_spec, run_sweep
@@ -213,7 +223,7 @@ def test_decorator_design_equals_the_builtin_it_mimics(store):
 
     try:
         grid = {"score": "snapkv", "design": ["test_flat", "bernoulli"], "budget": 0.4,
-                "score_params": {"snapkv": {"window_source": "question"}}}
+                "score_params": {"snapkv": {"window_source": "question", "window": 8}}}
         mine, ref = parse_grid(grid)
         a = replay(open_store(store), [mine], seeds=3, progress=False).to_pandas()
         b = replay(open_store(store), [ref], seeds=3, progress=False).to_pandas()
@@ -223,3 +233,134 @@ def test_decorator_design_equals_the_builtin_it_mimics(store):
     finally:
         DESIGN_REGISTRY.registered.pop("test_flat", None)
         DESIGN_REGISTRY.loaded_hash.pop("test_flat", None)
+
+
+# ------------------------------------------------------- a design and a proxy from a test module
+#
+# Each is one class and one register call (docs/extending.md), defined here, outside tracesim.
+
+
+@dataclass(frozen=True)
+class PowerPPS(Design):
+    """Capped PPS on ``scores ** power`` (power 1: exactly the built-in ``poisson``)."""
+
+    name: ClassVar[str] = "test_power_pps"
+
+    power: float = 1.0
+
+    def inclusion_probabilities(self, scores, n):
+        return inclusion_probabilities(np.asarray(scores, dtype=np.float64) ** self.power, n)
+
+
+@dataclass(frozen=True)
+class HeadDimsProxy(Proxy):
+    """Logits from the first ``dims`` key channels (all of them: exactly the ``exact`` proxy)."""
+
+    name: ClassVar[str] = "test_head_dims"
+
+    dims: int = 8
+
+    def bits_per_token(self, head_dim):
+        return 16.0 * min(self.dims, head_dim)
+
+    def logits(self, trace, kv_head, queries, end):
+        k = self.dims
+        return (queries[:, :k] @ trace.keys[kv_head, :end, :k].T) * trace.scale
+
+
+@pytest.fixture
+def power_design():
+    register_design(PowerPPS)
+    yield PowerPPS
+    DESIGN_REGISTRY.registered.pop(PowerPPS.name, None)
+    DESIGN_REGISTRY.loaded_hash.pop(PowerPPS.name, None)
+
+
+@pytest.fixture
+def head_dims_proxy():
+    register_proxy(HeadDimsProxy)
+    yield HeadDimsProxy
+    PROXY_REGISTRY.registered.pop(HeadDimsProxy.name, None)
+    PROXY_REGISTRY.loaded_hash.pop(HeadDimsProxy.name, None)
+
+
+def _without(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
+    keys = ["sequence_id", "layer", "head", "query_index"]
+    return df.drop(columns=list(cols)).sort_values(keys).reset_index(drop=True)
+
+
+def test_plugin_design_replays_with_its_params_in_the_results(store, power_design):
+    from tracesim.sweep import parse_grid
+
+    grid = {"score": "snapkv", "design": ["test_power_pps", "poisson"], "budget": 0.4,
+            "design_params": {"test_power_pps": {"power": [1.0, 0.5]}},
+            "score_params": {"snapkv": {"window_source": "question", "window": 8}}}
+    mine, half, ref = parse_grid(grid)
+    assert mine.design == PowerPPS(power=1.0) and half.design == PowerPPS(power=0.5)
+    assert Policy.from_dict(json.loads(mine.to_json())) == mine
+    df = replay(open_store(store), [mine, half, ref], seeds=3, progress=False).to_pandas()
+    params = df.groupby("design")["design_params"].agg(lambda s: sorted(set(s)))
+    assert params["test_power_pps"] == ['{"power": 0.5}', '{"power": 1.0}']
+    assert params["poisson"] == ['{"floor": 0.0, "mixture": 0.0}']
+    assert df.loc[df["design"] == "test_power_pps", "mixture"].isna().all()
+    # power 1 computes what poisson computes, bit for bit; power 0.5 something else
+    cols = ("config_id", "design", "design_params", "mixture", "floor")
+    a = _without(df[df["config_id"] == mine.id], *cols)
+    pd.testing.assert_frame_equal(a, _without(df[df["config_id"] == ref.id], *cols),
+                                  check_exact=True)
+    b = _without(df[df["config_id"] == half.id], *cols)
+    assert not np.array_equal(a["err2"].to_numpy(), b["err2"].to_numpy())
+    assert plugin_provenance([half])[0]["kind"] == "design"
+
+
+def test_plugin_proxy_replays_through_a_per_step_design(store, head_dims_proxy, tmp_path):
+    from tracesim.proxies import make_proxy
+
+    assert make_proxy("test_head_dims:4") == HeadDimsProxy(dims=4)
+    assert make_proxy("test_head_dims").spec() == "test_head_dims:8"
+    with pytest.raises(ValueError, match="dims = 'x': expected a positive integer"):
+        make_proxy("test_head_dims:x")
+    pols = [make_policy("perstep", "poisson", 0.4, schedule="step",
+                        score_params={"proxy": proxy, "window": 8})
+            for proxy in ("test_head_dims:8", "exact", "test_head_dims:2")]
+    df = replay(open_store(store), pols, seeds=2, progress=False).to_pandas()
+    params = df.groupby("config_id")["score_params"].first()
+    assert json.loads(params[pols[0].id])["proxy"] == "test_head_dims:8"
+    assert set(df["design_params"]) == {'{"floor": 0.0, "mixture": 0.0}'}
+    # all eight channels: the exact proxy's logits, so its rows, bit for bit
+    cols = ("config_id", "score_params", "deployable")
+    mine = _without(df[df["config_id"] == pols[0].id], *cols)
+    pd.testing.assert_frame_equal(mine, _without(df[df["config_id"] == pols[1].id], *cols),
+                                  check_exact=True)
+    two = _without(df[df["config_id"] == pols[2].id], *cols)
+    assert not np.array_equal(mine["err2"].to_numpy(), two["err2"].to_numpy())
+    # provenance names the proxy; a sweep refuses it (its workers never registered it)
+    prov = plugin_provenance(pols)
+    assert [(p["kind"], p["name"], p["source"]) for p in prov] == [
+        ("proxy", "test_head_dims", "decorator")]
+    doc = _spec(store, tmp_path / "proxy")
+    doc["grid"] = {"score": "perstep", "design": "poisson", "budget": 0.5, "schedule": "step",
+                   "score_params": {"perstep": {"proxy": "test_head_dims:4"}}}
+    with pytest.raises(ValueError, match="registered in this process only"):
+        run_sweep(doc, workers=1, progress=False, warm_up=False)
+
+
+def test_the_registries_are_a_leaf_the_packages_fill():
+    """``tracesim.registry`` imports none of the packages it serves (no import cycle), and
+    importing it first still works: each package fills its registry when imported."""
+    import ast
+    import subprocess
+
+    code = ("import sys, tracesim.registry as r\n"
+            "print(sorted(m for m in sys.modules if m.startswith('tracesim.')))\n"
+            "from tracesim.policies import SCORE_REGISTRY, make_policy\n"
+            "from tracesim.proxies import make_proxy\n"
+            "assert SCORE_REGISTRY is r.SCORE_REGISTRY and 'snapkv' in r.SCORE_REGISTRY\n"
+            "assert 'poisson' in r.DESIGN_REGISTRY and make_proxy('quant:4').spec() == 'quant:4'\n"
+            "make_policy('snapkv', 'poisson', 0.25)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    loaded = set(ast.literal_eval(out.stdout.split("\n")[0]))
+    assert "tracesim.registry" in loaded
+    assert not loaded & {"tracesim.designs", "tracesim.policies", "tracesim.proxies",
+                         "tracesim.plugins", "tracesim.replay"}

@@ -40,6 +40,7 @@ _LAZY: dict[str, str] = {
     "validate_store": "tracesim.store",
     "replay": "tracesim.replay",
     "register_design": "tracesim.plugins",
+    "register_proxy": "tracesim.plugins",
     "register_score": "tracesim.plugins",
 }
 
@@ -64,6 +65,7 @@ __all__ = [
     "output_space_certificate",
     "permanent_uniforms",
     "register_design",
+    "register_proxy",
     "register_score",
     "replay",
     "satterthwaite_covered",

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["COLUMN_DOCS", "DESCRIPTION_KEY", "INT_SENTINELS", "describe_schema",
+__all__ = ["COLUMN_DOCS", "DESCRIPTION_KEY", "INT_SENTINELS", "METRIC_DOCS", "describe_schema",
            "describe_table", "description", "nullify_rows", "to_arrow"]
 
 DESCRIPTION_KEY = b"description"
@@ -24,7 +24,8 @@ DESCRIPTION_KEY = b"description"
 #: Integer sentinels that mean "not applicable" in memory: column -> value.
 INT_SENTINELS: dict[str, int] = {"seed": -1, "every": 0}
 #: String columns whose empty string means "not applicable" (an empty answer is a value).
-EMPTY_STRING_NULL = frozenset({"budget_unit", "allocator", "design_kind", "task"})
+EMPTY_STRING_NULL = frozenset({"budget_unit", "allocator", "design_kind", "design_params",
+                               "task"})
 
 #: Descriptions of every column of replay results, sweep results and evict outcomes.
 COLUMN_DOCS: dict[str, str] = {
@@ -65,6 +66,8 @@ COLUMN_DOCS: dict[str, str] = {
     "floor": "lower bound on inclusion probabilities; null if the design has none",
     "design_kind": "order-sampling kind of the fixed design (pareto, sequential); null "
                    "otherwise",
+    "design_params": "JSON of the design's hyperparameters (its dataclass fields, sorted "
+                     "keys; {} for a design without any, e.g. topk); null for full",
     "score_params": "JSON of the score-specific hyperparameters",
     "certified": "randomized design with Hajek correction: certificates and coverage apply",
     "summary_page": "positions per page of the summaries kept for the tokens a policy drops "
@@ -125,15 +128,49 @@ COLUMN_DOCS: dict[str, str] = {
                       "less overlapped compute); null without fetching",
 }
 
+#: Metric columns of replay results: name -> description (means over seeds unless noted;
+#: NaN in a description reads "null" in the columns' metadata). Their order is the columns'.
+METRIC_DOCS: dict[str, str] = {
+    "err2": "true squared error |o_hat - o|^2 (value units^2)",
+    "err2_sd": "standard deviation of err2 over seeds (aggregated rows only)",
+    "rel_err": "|o_hat - o| / |o|",
+    "cert2": "primary certificate C^2 = tr V_hat (NaN unless certified)",
+    "cert2_small": "m/(m-1) tr V_hat (inf for m <= 1 with a tail)",
+    "tail_size": "realized tail size m: kept tail tokens (pi < 1) the query sees",
+    "n_eff": "Kish effective sample size of the Hájek weights over the kept tail",
+    "wald_cov": "fraction of coordinates inside the Wald interval z*sqrt(V_jj)",
+    "wald_t_cov": "same with t_{m-1} and m/(m-1) inflation (small sample)",
+    "sat_cov": "fraction of seeds with |e|^2 inside the Satterthwaite bound (needs "
+               "satterthwaite=True, else NaN)",
+    "sat_t_cov": "same with m/(m-1) inflation",
+    "kept_tokens": "realized kept tokens of the KV head at the query's event",
+    "expected_kept": "sum of pi at the query's event (expected memory)",
+    "tail_population": "tokens with pi < 1 the query would see (kept or not)",
+    "tail_out_mass": "full-cache attention mass on sampled-out tokens (pi > 0)",
+    "tail_out_max": "largest full-cache weight of a sampled-out token",
+    "evicted_mass": "full-cache attention mass on evicted tokens (pi = 0)",
+    "evicted_max": "largest full-cache weight of an evicted token",
+    "max_tail_weight": "largest normalised Hájek weight a_i of a kept tail "
+                       "token (pi < 1); server-knowable (NaN: no kept tail "
+                       "token the query sees, or not certified)",
+    "layer_err2": "|sum_h W_O,h (o_hat_h - o_h)|^2 of the layer (output space; NaN "
+                  "without o_proj); repeated on every head row",
+    "layer_cert2": "output-space (GQA) certificate of the layer; repeated per head",
+    "bound2": "page-summary bound squared, >= err2 for every draw (value units^2; NaN "
+              "unless summary_page > 0)",
+    "bound_cov": "fraction of seeds with err2 <= bound2 (must be 1; NaN without "
+                 "summaries)",
+    "bound_mass": "bound on the full-cache attention mass of the missing tokens",
+    "summary_tokens": "memory of the page summaries, token-equivalents per KV head",
+}
+
 
 def description(name: str) -> str:
-    """Description of column ``name`` (replay metrics come from their METRICS entry)."""
+    """Description of column ``name`` (:data:`COLUMN_DOCS`, else :data:`METRIC_DOCS`)."""
     if name in COLUMN_DOCS:
         return COLUMN_DOCS[name]
-    from tracesim.replay.results import METRICS
-
-    if name in METRICS:
-        return METRICS[name][1].replace("NaN", "null")
+    if name in METRIC_DOCS:
+        return METRIC_DOCS[name].replace("NaN", "null")
     return ""
 
 

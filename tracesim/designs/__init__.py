@@ -19,7 +19,7 @@ from tracesim.designs.bernoulli import Bernoulli
 from tracesim.designs.order import OrderSampling
 from tracesim.designs.poisson import PoissonPPS, inclusion_probabilities
 from tracesim.designs.topk import TopK
-from tracesim.plugins import DESIGN_GROUP, Registry
+from tracesim.registry import DESIGN_REGISTRY
 
 __all__ = [
     "DESIGNS",
@@ -38,8 +38,8 @@ __all__ = [
 DESIGNS: dict[str, type[Design]] = {
     cls.name: cls for cls in (PoissonPPS, Bernoulli, OrderSampling, TopK)
 }
-#: Built-ins + plugins (entry points ``tracesim.designs``, decorator).
-DESIGN_REGISTRY = Registry("design", DESIGN_GROUP, DESIGNS, Design)
+#: Built-ins + plugins (entry points ``tracesim.designs``, decorator); see tracesim.registry.
+DESIGN_REGISTRY.install(DESIGNS, Design)
 
 
 def make_design(name: str, **params: Any) -> Design:

@@ -7,7 +7,8 @@ uniforms ``u`` into the kept set. Scores come from policies; designs never look 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -53,12 +54,27 @@ class Design:
         whether the kept set depends on the uniforms (False: nothing is random, no certificate);
     ``variance``
         which linearized variance applies: ``"poisson"`` (independent draws), ``"fixed"``
-        (fixed-size order sampling, Rosén's approximation) or ``None`` (no certificate).
+        (fixed-size order sampling, Rosén's approximation) or ``None`` (no certificate);
+    ``uses_scores``
+        whether the kept set depends on the scores' values (False: ``pi`` depends on the
+        number of tail tokens and the budget only, as for ``bernoulli``). Configurations that
+        differ only in a score such a design ignores are computed once
+        (:mod:`tracesim.policies.equivalence`). A design whose answer depends on its
+        hyperparameters overrides it with a property (``poisson`` with ``mixture = 1``).
+        When in doubt leave it True: a wrong False merges configurations that differ.
+
+    The dataclass fields are the design's hyperparameters: they make its label in
+    ``Policy.id`` and the ``design_params`` result column (:meth:`params_json`).
     """
 
     name: ClassVar[str] = "design"
     randomized: ClassVar[bool] = True
     variance: ClassVar[str | None] = "poisson"
+    uses_scores: ClassVar[bool] = True
+
+    def params_json(self) -> str:
+        """The hyperparameters (dataclass fields) as JSON with sorted keys; ``{}`` if none."""
+        return json.dumps(asdict(self), sort_keys=True)
 
     def inclusion_probabilities(self, scores: np.ndarray, n: float) -> np.ndarray:
         """Inclusion probabilities of the tail tokens.

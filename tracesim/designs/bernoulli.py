@@ -19,6 +19,7 @@ class Bernoulli(Design):
     name: ClassVar[str] = "bernoulli"
     randomized: ClassVar[bool] = True
     variance: ClassVar[str | None] = "poisson"
+    uses_scores: ClassVar[bool] = False
 
     def inclusion_probabilities(self, scores: np.ndarray, n: float) -> np.ndarray:
         N = validate_scores(scores).size

@@ -54,6 +54,11 @@ class OrderSampling(Design):
         if not 0.0 <= self.floor < 1.0:
             raise ValueError(f"OrderSampling.floor = {self.floor}: expected a value in [0, 1)")
 
+    @property
+    def uses_scores(self) -> bool:  # type: ignore[override]
+        """False with ``mixture = 1``: every tail token then gets the same ``pi``."""
+        return self.mixture != 1.0
+
     def inclusion_probabilities(self, scores: np.ndarray, n: float) -> np.ndarray:
         if abs(n - round(n)) > 1e-9:
             raise ValueError(f"n = {n}: a fixed-size design needs an integer sample size")

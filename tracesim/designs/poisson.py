@@ -115,5 +115,10 @@ class PoissonPPS(Design):
         if not 0.0 <= self.floor < 1.0:
             raise ValueError(f"PoissonPPS.floor = {self.floor}: expected a value in [0, 1)")
 
+    @property
+    def uses_scores(self) -> bool:  # type: ignore[override]
+        """False with ``mixture = 1``: every tail token then gets the same ``pi``."""
+        return self.mixture != 1.0
+
     def inclusion_probabilities(self, scores: np.ndarray, n: float) -> np.ndarray:
         return inclusion_probabilities(scores, n, mixture=self.mixture, floor=self.floor)

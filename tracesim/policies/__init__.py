@@ -30,9 +30,9 @@ from typing import Any
 
 from tracesim.budgets import Budget
 from tracesim.designs import Design, make_design
-from tracesim.plugins import SCORE_GROUP, Registry
 from tracesim.policies.base import Score, take_all_mask
 from tracesim.policies.context import LayerTrace
+from tracesim.policies.equivalence import merge_score_free
 from tracesim.policies.full import FullScore
 from tracesim.policies.h2o import H2OScore
 from tracesim.policies.keyformer import KeyformerScore
@@ -46,6 +46,7 @@ from tracesim.policies.streaming import StreamingScore
 from tracesim.policies.tova import TOVAScore
 from tracesim.policies.uniform import RandomScore
 from tracesim.policies.vnorm import VNormScore
+from tracesim.registry import SCORE_REGISTRY
 from tracesim.schedules import Schedule
 
 __all__ = [
@@ -60,8 +61,9 @@ SCORES: dict[str, type[Score]] = {cls.name: cls for cls in (
     StreamingScore, H2OScore, SnapKVScore, TOVAScore, KNormScore, VNormScore, KeyformerScore,
     RandomScore, OracleScore, PerStepScore, FullScore)}
 SCORES.update(KVPRESS_SCORES)
-#: Built-ins + kvpress aliases + plugins (entry points ``tracesim.scores``, decorator).
-SCORE_REGISTRY = Registry("score", SCORE_GROUP, SCORES, Score)
+#: Built-ins + kvpress aliases + plugins (entry points ``tracesim.scores``, decorator); see
+#: tracesim.registry.
+SCORE_REGISTRY.install(SCORES, Score)
 SCORE_REGISTRY.aliases.update(KVPRESS_ALIASES)
 
 
@@ -117,8 +119,6 @@ def policy_grid(
 
     A budget is a float (a fraction if <= 1, else tokens) or a ``(value, unit)`` pair.
     """
-    from tracesim.policies.equivalence import merge_score_free
-
     out: dict[str, Policy] = {}
     for s in scores:
         for dname in designs:

@@ -2,9 +2,10 @@
 
 **Designs that ignore the score.** ``bernoulli`` keeps every tail token with the same
 probability ``n / N``, and ``poisson`` / ``fixed`` with ``mixture = 1`` do the same: the score's
-values never reach the inclusion probabilities. Two policies that differ only in their score
-then keep the same tokens with the same probabilities and give identical rows, *provided*
-everything else a score decides is equal:
+values never reach the inclusion probabilities. A design says so itself, with
+``uses_scores = False`` (:class:`~tracesim.designs.Design`; plugins included). Two policies
+that differ only in their score then keep the same tokens with the same probabilities and give
+identical rows, *provided* everything else a score decides is equal:
 
 - the take-all stratum (``sinks``, ``window``; scores overriding ``take_all`` are never merged),
 - ``top_fraction = 0`` (a positive one keeps the top-scored tail tokens),
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 
-from tracesim.designs import Bernoulli, Design
+from tracesim.designs import Design
 from tracesim.policies.base import Score
 from tracesim.policies.policy import Policy
 
@@ -39,10 +40,9 @@ _PROMPT, _QUESTION = 1_000_003, 500_009
 
 
 def design_ignores_score(design: Design | None) -> bool:
-    """Whether the design's inclusion probabilities do not depend on the score's values."""
-    if design is None:
-        return False
-    return isinstance(design, Bernoulli) or float(getattr(design, "mixture", 0.0)) == 1.0
+    """Whether the design's inclusion probabilities do not depend on the score's values
+    (its ``uses_scores`` is False)."""
+    return design is not None and not design.uses_scores
 
 
 def _compress_boundary(score: Score) -> str | None:

@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tracesim.budgets import Budget
-from tracesim.designs import Design, make_design
+from tracesim.designs import Design
 from tracesim.policies.base import Score
+from tracesim.registry import DESIGN_REGISTRY, SCORE_REGISTRY
 from tracesim.schedules import Schedule
 
 __all__ = ["CORRECTIONS", "Policy", "POLICY_COLUMNS"]
@@ -20,7 +21,8 @@ CORRECTIONS = ("none", "hajek")
 POLICY_COLUMNS = (
     "config_id", "score", "design", "correction", "budget", "budget_unit", "allocator",
     "alpha", "beta", "schedule", "every", "sinks", "window", "top_fraction", "mixture",
-    "floor", "design_kind", "score_params", "certified", "summary_page", "deployable",
+    "floor", "design_kind", "design_params", "score_params", "certified", "summary_page",
+    "deployable",
 )
 
 
@@ -151,6 +153,8 @@ class Policy:
             "mixture": float(d.get("mixture", math.nan)),
             "floor": float(d.get("floor", math.nan)),
             "design_kind": str(d.get("kind", "")),
+            # Every design's hyperparameters, plugins included ("" -> null for full).
+            "design_params": self.design.params_json() if self.design is not None else "",
             "score_params": self.score.specific_params_json(),
             "certified": self.certified,
             "summary_page": int(self.summary_page),
@@ -173,14 +177,12 @@ class Policy:
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> Policy:
         """Build a policy from the dict form of :meth:`to_json`."""
-        from tracesim.policies import make_score
-
         score_spec = dict(spec["score"])
-        score = make_score(score_spec.pop("name"), **score_spec)
+        score = SCORE_REGISTRY.build(score_spec.pop("name"), score_spec)
         design = None
         if spec.get("design"):
             design_spec = dict(spec["design"])
-            design = make_design(design_spec.pop("name"), **design_spec)
+            design = DESIGN_REGISTRY.build(design_spec.pop("name"), design_spec)
         budget = Budget(**spec["budget"]) if spec.get("budget") else None
         schedule = Schedule(**spec.get("schedule", {}))
         return cls(score=score, design=design, correction=spec.get("correction", "auto"),

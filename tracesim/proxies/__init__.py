@@ -10,10 +10,16 @@ spec            what fast memory holds                                    bits/t
 ``simhash:K,L`` ``K L`` SimHash bits of centred keys + norm (MagicPIG)    ``K L + 16``
 ==============  ========================================================  =====================
 
-:func:`make_proxy` parses a spec string; :data:`PROXIES` maps names to classes.
+:func:`make_proxy` parses a spec string; :data:`PROXIES` maps the built-ins' names to classes,
+and :data:`~tracesim.registry.PROXY_REGISTRY` adds plugins (entry points ``tracesim.proxies``,
+:func:`~tracesim.registry.register_proxy`). A spec is ``name`` or ``name:v1,v2,...``: the values
+are positive integers, given to the proxy's dataclass fields in their order (``quant:4,32`` =
+bits 4, group 32).
 """
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 from tracesim.proxies.base import Proxy
 from tracesim.proxies.exact import ExactProxy
@@ -21,15 +27,14 @@ from tracesim.proxies.lowrank import LowRankProxy
 from tracesim.proxies.pages import PageProxy, page_upper_bounds
 from tracesim.proxies.quant import QuantProxy, quantise_keys
 from tracesim.proxies.simhash import SimHashProxy, hyperplanes
+from tracesim.registry import PROXY_REGISTRY
 
 __all__ = ["PROXIES", "ExactProxy", "LowRankProxy", "PageProxy", "Proxy", "QuantProxy",
            "SimHashProxy", "hyperplanes", "make_proxy", "page_upper_bounds", "quantise_keys"]
 
 PROXIES: dict[str, type[Proxy]] = {cls.name: cls for cls in (
     ExactProxy, QuantProxy, LowRankProxy, PageProxy, SimHashProxy)}
-#: Positional parameters of each spec, in order (``quant:4,32`` = bits 4, group 32).
-_POSITIONAL = {"exact": (), "quant": ("bits", "group"), "lowrank": ("rank",),
-               "pages": ("page",), "simhash": ("bits", "tables")}
+PROXY_REGISTRY.install(PROXIES, Proxy)
 
 
 def make_proxy(spec: str | Proxy) -> Proxy:
@@ -45,17 +50,20 @@ def make_proxy(spec: str | Proxy) -> Proxy:
     if not isinstance(spec, str):
         raise ValueError(f"proxy {spec!r}: expected a string such as 'quant:4'")
     name, _, rest = spec.strip().partition(":")
-    if name not in PROXIES:
-        raise ValueError(f"unknown proxy {spec!r}; expected one of {sorted(PROXIES)} "
-                         "(e.g. 'exact', 'quant:4', 'lowrank:16', 'pages:16', 'simhash:10,150')")
-    fields = _POSITIONAL[name]
+    try:
+        cls = PROXY_REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown proxy {spec!r}; expected one of "
+                         f"{sorted(PROXY_REGISTRY.names())} (e.g. 'exact', 'quant:4', "
+                         "'lowrank:16', 'pages:16', 'simhash:10,150')") from None
+    names = tuple(f.name for f in fields(cls))  # the spec's positional parameters, in order
     values = [v.strip() for v in rest.split(",")] if rest else []
-    if len(values) > len(fields):
-        raise ValueError(f"proxy {spec!r}: {name} takes at most {len(fields)} parameter(s) "
-                         f"{fields}")
+    if len(values) > len(names):
+        raise ValueError(f"proxy {spec!r}: {name} takes at most {len(names)} parameter(s) "
+                         f"{names}")
     params = {}
-    for f, v in zip(fields, values, strict=False):
+    for f, v in zip(names, values, strict=False):
         if not v.isdigit() or len(v) > 9:
             raise ValueError(f"proxy {spec!r}: {f} = {v!r}: expected a positive integer")
         params[f] = int(v)
-    return PROXIES[name](**params)
+    return cls(**params)

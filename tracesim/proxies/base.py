@@ -13,7 +13,7 @@ held besides the kept tokens; memory figures add it to the kept tokens' K/V byte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -28,6 +28,9 @@ __all__ = ["Proxy"]
 @dataclass(frozen=True)
 class Proxy:
     """Base class of proxies (frozen dataclass; fields are hyperparameters).
+
+    The fields are the spec's positional parameters, in order, and must be integers
+    (``quant:4,32`` sets ``bits`` then ``group``); :meth:`spec` writes them back.
 
     Class attributes
     ----------------
@@ -50,8 +53,13 @@ class Proxy:
         """Subclass hook: raise ``ValueError`` when the proxy cannot serve ``trace``."""
 
     def spec(self) -> str:
-        """The spec string that :func:`tracesim.proxies.make_proxy` reads back."""
-        raise NotImplementedError
+        """The spec string that :func:`tracesim.proxies.make_proxy` reads back.
+
+        ``name`` or ``name:v1,v2,...`` (every field, in order); override it to leave out
+        defaults.
+        """
+        values = [str(getattr(self, f.name)) for f in fields(self)]
+        return self.name + (":" + ",".join(values) if values else "")
 
     def bits_per_token(self, head_dim: int) -> float:
         """Bits per token per KV head held in fast memory for this proxy."""

@@ -13,6 +13,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tracesim.designs import DESIGNS
+from tracesim.policies import SCORES
+from tracesim.policies.kvpress import KVPRESS_PRESSES
+
 __all__ = ["register", "run_replay", "summary_table"]
 
 
@@ -50,10 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--budget 0.1,0.25,0.5 --seeds 16 --out replay-out/")
     p.add_argument("traces", metavar="TRACES", help="trace store directory")
     p.add_argument("--score", type=_csv(str), default=["snapkv"],
-                   help="comma-separated scores (streaming,h2o,snapkv,tova,knorm,vnorm,"
-                   "keyformer,random,oracle,full, kvpress ports and plugins)")
+                   help="comma-separated scores ("
+                   + ", ".join(s for s in SCORES if s not in KVPRESS_PRESSES)
+                   + ", a kvpress press by class name, an alias or a plugin's name)")
     p.add_argument("--design", type=_csv(str), default=["topk", "poisson"],
-                   help="comma-separated inclusion designs (topk,poisson,bernoulli,fixed)")
+                   help="comma-separated inclusion designs (" + ", ".join(sorted(DESIGNS))
+                   + " or a plugin's name)")
     p.add_argument("--budget", type=_csv(_budget), default=[(0.25, "fraction")],
                    help="comma-separated budgets per (layer, KV head), sinks and window "
                    "included, as in a sweep spec: decimals are fractions of the context in "

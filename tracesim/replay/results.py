@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from tracesim.columns import describe_schema, to_arrow
+from tracesim.columns import METRIC_DOCS, describe_schema, to_arrow
 from tracesim.coverage import satterthwaite_quantile
 from tracesim.kernels import bounds as KB
 from tracesim.kernels import replay as K
@@ -21,39 +21,28 @@ from tracesim.replay.engine import LayerResult
 __all__ = ["METRICS", "RESULT_COLUMNS", "layer_batch", "result_schema"]
 
 #: Metric columns: name -> (kernel field or None, description). Means over seeds unless noted.
-METRICS: dict[str, tuple[int | None, str]] = {
-    "err2": (K.F_ERR2, "true squared error |o_hat - o|^2 (value units^2)"),
-    "err2_sd": (None, "standard deviation of err2 over seeds (aggregated rows only)"),
-    "rel_err": (K.F_REL, "|o_hat - o| / |o|"),
-    "cert2": (K.F_CERT2, "primary certificate C^2 = tr V_hat (NaN unless certified)"),
-    "cert2_small": (K.F_CERT2_SMALL, "m/(m-1) tr V_hat (inf for m <= 1 with a tail)"),
-    "tail_size": (K.F_TAIL, "realized tail size m: kept tail tokens (pi < 1) the query sees"),
-    "n_eff": (K.F_NEFF, "Kish effective sample size of the Hájek weights over the kept tail"),
-    "wald_cov": (K.F_WALD, "fraction of coordinates inside the Wald interval z*sqrt(V_jj)"),
-    "wald_t_cov": (K.F_WALD_T, "same with t_{m-1} and m/(m-1) inflation (small sample)"),
-    "sat_cov": (None, "fraction of seeds with |e|^2 inside the Satterthwaite bound (needs "
-                      "satterthwaite=True, else NaN)"),
-    "sat_t_cov": (None, "same with m/(m-1) inflation"),
-    "kept_tokens": (K.F_KEPT, "realized kept tokens of the KV head at the query's event"),
-    "expected_kept": (K.F_EXPECTED, "sum of pi at the query's event (expected memory)"),
-    "tail_population": (K.F_POP, "tokens with pi < 1 the query would see (kept or not)"),
-    "tail_out_mass": (K.F_OUT_MASS, "full-cache attention mass on sampled-out tokens (pi > 0)"),
-    "tail_out_max": (K.F_OUT_MAX, "largest full-cache weight of a sampled-out token"),
-    "evicted_mass": (K.F_EV_MASS, "full-cache attention mass on evicted tokens (pi = 0)"),
-    "evicted_max": (K.F_EV_MAX, "largest full-cache weight of an evicted token"),
-    "max_tail_weight": (K.F_MAX_TAIL, "largest normalised Hájek weight a_i of a kept tail "
-                                      "token (pi < 1); server-knowable (NaN: no kept tail "
-                                      "token the query sees, or not certified)"),
-    "layer_err2": (None, "|sum_h W_O,h (o_hat_h - o_h)|^2 of the layer (output space; NaN "
-                         "without o_proj); repeated on every head row"),
-    "layer_cert2": (None, "output-space (GQA) certificate of the layer; repeated per head"),
-    "bound2": (None, "page-summary bound squared, >= err2 for every draw (value units^2; NaN "
-                     "unless summary_page > 0)"),
-    "bound_cov": (None, "fraction of seeds with err2 <= bound2 (must be 1; NaN without "
-                        "summaries)"),
-    "bound_mass": (None, "bound on the full-cache attention mass of the missing tokens"),
-    "summary_tokens": (None, "memory of the page summaries, token-equivalents per KV head"),
+#: The descriptions (and the order) are :data:`tracesim.columns.METRIC_DOCS`; the kernel
+#: fields are this module's.
+_METRIC_FIELDS: dict[str, int] = {
+    "err2": K.F_ERR2,
+    "rel_err": K.F_REL,
+    "cert2": K.F_CERT2,
+    "cert2_small": K.F_CERT2_SMALL,
+    "tail_size": K.F_TAIL,
+    "n_eff": K.F_NEFF,
+    "wald_cov": K.F_WALD,
+    "wald_t_cov": K.F_WALD_T,
+    "kept_tokens": K.F_KEPT,
+    "expected_kept": K.F_EXPECTED,
+    "tail_population": K.F_POP,
+    "tail_out_mass": K.F_OUT_MASS,
+    "tail_out_max": K.F_OUT_MAX,
+    "evicted_mass": K.F_EV_MASS,
+    "evicted_max": K.F_EV_MAX,
+    "max_tail_weight": K.F_MAX_TAIL,
 }
+METRICS: dict[str, tuple[int | None, str]] = {
+    name: (_METRIC_FIELDS.get(name), doc) for name, doc in METRIC_DOCS.items()}
 
 #: Every column in order, with its Arrow type.
 RESULT_COLUMNS: dict[str, pa.DataType] = {
@@ -62,7 +51,8 @@ RESULT_COLUMNS: dict[str, pa.DataType] = {
     "query_index": pa.int32(), "query_position": pa.int32(), "query_role": pa.string(),
     "prompt_length": pa.int32(), "n_positions": pa.int32(),
     **{c: (pa.string() if c in ("config_id", "score", "design", "correction", "budget_unit",
-                                  "allocator", "schedule", "design_kind", "score_params")
+                                  "allocator", "schedule", "design_kind", "design_params",
+                                  "score_params")
            else pa.bool_() if c in ("certified", "deployable")
            else pa.int32() if c in ("every", "sinks", "window", "summary_page")
            else pa.float64())
