@@ -4,7 +4,8 @@ This module is the ground floor of the component packages: of tracesim it import
 leaf :mod:`tracesim.provenance` (source digests), and :mod:`tracesim.policies`,
 :mod:`tracesim.designs`, :mod:`tracesim.proxies` and :mod:`tracesim.plugins` import it.
 Each package hands its built-in classes and its base class to its registry when it is imported
-(:meth:`Registry.install`); a plugin class subclasses that base, so the built-ins are always installed by the time a plugin is registered or looked up.
+(:meth:`Registry.install`); a plugin class subclasses that base, so the built-ins are always
+installed by the time a plugin is registered or looked up.
 
 A plugin is found in one of two ways (``docs/extending.md``):
 
