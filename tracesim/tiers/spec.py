@@ -38,7 +38,7 @@ from tracesim.counts import LAYER_INDEX, LAYERS, SEED_VALUE, SEQUENCES, TIERS_SE
 from tracesim.policies import Policy
 from tracesim.policies.grid import parse_grid
 from tracesim.tiers.model import MemoryModel, TierError, memory_model_from_dict
-from tracesim.tiers.schedulers import SCHEDULERS
+from tracesim.tiers.schedulers import SCHEDULERS, scheduler_names
 
 __all__ = ["MAX_SEEDS", "TiersSpec", "load_tiers_spec", "parse_tiers_spec"]
 
@@ -124,10 +124,11 @@ def parse_tiers_spec(doc: Any, source: str = "<dict>") -> TiersSpec:
     scheds = doc.get("schedulers", list(SCHEDULERS))
     if not isinstance(scheds, list) or not scheds:
         raise TierError(f"{source}: schedulers: expected a non-empty list")
-    bad = [s for s in scheds if s not in SCHEDULERS]
+    known = scheduler_names()
+    bad = [s for s in scheds if s not in known]
     if bad:
         raise TierError(f"{source}: schedulers: unknown {bad}; expected some of "
-                        f"{list(SCHEDULERS)}")
+                        f"{list(known)}")
     if "certificate" in scheds:
         uncertified = [p.id for p in policies if not p.certified]
         if uncertified:
