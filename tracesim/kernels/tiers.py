@@ -15,6 +15,12 @@ sums of a page are never stored: once a scheduler has ordered the pages, the bud
 processed from the smallest to the largest, each adding the pages it newly fetches from their
 tokens, and a KV head whose every evicted page is fetched is the full cache.
 
+The arguments come in five named tuples (:mod:`tracesim.kernels.tier_args`, each field's shape
+documented there once): :class:`Attention`, :class:`Inclusion`, :class:`Pages`,
+:class:`Schedule` and :class:`TierOutputs`. Each scheduler's priority of a page is a function of
+the page's :class:`~tracesim.kernels.tier_priorities.PageInputs`: built-in rules are compiled in
+(``builtin_priority``), registered ones arrive as one C callback (``plugin_priority``).
+
 The plain-numpy reference, which the tests compare this kernel with, is
 :func:`tracesim.tiers.reference.simulate_layer_reference`; the definitions are in
 ``docs/tiers.md`` and :mod:`tracesim.tiers.schedulers`.
@@ -144,10 +150,10 @@ def _add_page(Vg, e_g, kept_g, pi_g, hajek, start, stop, accn, accd):
 
 
 @nb.njit(cache=True)
-def tiers_step(a, att, inc, pages, sched, out, plugin):
-    """Simulate decode step ``a`` of one layer, every scheduler and budget of ``sched``.
+def tiers_step(a, att, inc, pages, schedule, out, plugin):
+    """Simulate decode step ``a`` of one layer, every scheduler and budget of ``schedule``.
 
-    ``att``, ``inc``, ``pages``, ``sched`` and ``out`` are an :class:`Attention`,
+    ``att``, ``inc``, ``pages``, ``schedule`` and ``out`` are an :class:`Attention`,
     :class:`Inclusion`, :class:`Pages`, :class:`Schedule` and :class:`TierOutputs`;
     ``plugin`` is the callback of the run's registered rules
     (:func:`tracesim.kernels.tier_priorities.plugin_priority`).
@@ -156,7 +162,7 @@ def tiers_step(a, att, inc, pages, sched, out, plugin):
     pi, kept, hajek, certified, tail_off, tail_pos = inc
     (pg_off, pg_first, pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier,
      block_slot, page) = pages
-    codes, fetches, scaled, budgets, conf_w, rprio, need_bound, need_uniforms = sched
+    codes, fetches, scaled, budgets, conf_w, rprio, need_bound, need_uniforms = schedule
     (err_before, cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
      order_out, nsel_out) = out
     n_kv, _, d = K.shape
@@ -407,21 +413,21 @@ def tiers_step(a, att, inc, pages, sched, out, plugin):
 
 
 @nb.njit(cache=True, parallel=True)
-def _layer_parallel(att, inc, pages, sched, out, plugin):
-    n_steps = att.qpos.size
-    for a in nb.prange(n_steps):
+def _layer_parallel(att, inc, pages, schedule, out, plugin):
+    # not called ``sched``: numba's parallel loop gives that name to its own work schedule
+    for a in nb.prange(att.qpos.size):
         # an int64 step index, so the serial and parallel kernels share one compiled step
         step = np.int64(a)
-        tiers_step(step, att, inc, pages, sched, out, plugin)
+        tiers_step(step, att, inc, pages, schedule, out, plugin)
 
 
 @nb.njit(cache=True)
-def _layer_serial(att, inc, pages, sched, out, plugin):
+def _layer_serial(att, inc, pages, schedule, out, plugin):
     for a in range(att.qpos.size):
-        tiers_step(a, att, inc, pages, sched, out, plugin)
+        tiers_step(a, att, inc, pages, schedule, out, plugin)
 
 
-def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, sched: Schedule, n_tiers: int,
+def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, schedule: Schedule, n_tiers: int,
                 want_order: bool = False, plugin: Any = None) -> dict[str, np.ndarray]:
     """Simulate every decode step of one layer for one seed.
 
@@ -433,14 +439,14 @@ def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, sched: Schedule, n
         The base policy's inclusion probabilities and kept set.
     pages : Pages
         The evicted pages and their summaries.
-    sched : Schedule
+    schedule : Schedule
         Schedulers, fetch budgets and what the schedulers read.
     n_tiers : int
         Lower tiers.
     want_order : bool
         Also return each scheduler's fetch order (``order``).
     plugin : numba.cfunc, optional
-        The callback of the registered rules among ``sched.codes``
+        The callback of the registered rules among ``schedule.codes``
         (:func:`tracesim.kernels.tier_priorities.plugin_priority`); none by default.
 
     Returns
@@ -450,7 +456,7 @@ def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, sched: Schedule, n
     """
     n_kv = att.K.shape[0]
     H, NQ, d = att.Q.shape[0], att.qpos.size, att.K.shape[2]
-    NS, NB = sched.codes.size, sched.budgets.size
+    NS, NB = schedule.codes.size, schedule.budgets.size
     out = TierOutputs(
         err_before=np.zeros((H, NQ)), cert=np.zeros((H, NQ)),
         err_after=np.zeros((NS, NB, H, NQ)), kv_bytes=np.zeros((NS, NB, n_kv, NQ)),
@@ -467,8 +473,8 @@ def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, sched: Schedule, n
                        scale=float(att.scale))
     inc = inc._replace(hajek=bool(inc.hajek), certified=bool(inc.certified))
     pages = pages._replace(page=int(pages.page))
-    sched = sched._replace(need_bound=bool(sched.need_bound),
-                           need_uniforms=bool(sched.need_uniforms))
+    schedule = schedule._replace(need_bound=bool(schedule.need_bound),
+                           need_uniforms=bool(schedule.need_uniforms))
     with quiet_first_class_functions():
-        fn(att, inc, pages, sched, out, plugin_priority(()) if plugin is None else plugin)
+        fn(att, inc, pages, schedule, out, plugin_priority(()) if plugin is None else plugin)
     return out._asdict()

@@ -53,7 +53,7 @@ from tracesim.prn import permanent_uniforms
 __all__ = ["BOUND_SCHEDULERS", "BUILTIN_SCHEDULERS", "CERTIFIED_SCHEDULERS", "DEPLOYABLE",
            "SCHEDULERS", "STREAM_FETCH", "PageInputs", "Scheduler", "confidence_weights",
            "get_scheduler", "kernel_schedule", "random_priority", "register_scheduler",
-           "scheduler_names"]
+           "scheduler_names", "scheduler_source_hash"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 
@@ -180,6 +180,16 @@ def get_scheduler(name: str) -> Scheduler:
     if found is None:
         raise ValueError(f"unknown scheduler {name!r}; expected one of {list(scheduler_names())}")
     return found
+
+
+def scheduler_source_hash(name: str) -> str:
+    """``sha256:<hex>`` of the source files defining a scheduler's two rules
+    (:func:`tracesim.plugins.source_hash`)."""
+    from tracesim.plugins import source_hash
+
+    s = get_scheduler(name)
+    parts = [source_hash(getattr(f, "py_func", f)) for f in (s.priority, s.reference)]
+    return parts[0] if parts[0] == parts[1] else "+".join(parts)
 
 
 def kernel_schedule(names: Iterable[str], budgets: np.ndarray, conf_w: np.ndarray,
