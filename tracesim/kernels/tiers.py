@@ -15,6 +15,12 @@ sums of a page are never stored: once a scheduler has ordered the pages, the bud
 processed from the smallest to the largest, each adding the pages it newly fetches from their
 tokens, and a KV head whose every evicted page is fetched is the full cache.
 
+The arguments come in five named tuples (:mod:`tracesim.kernels.tier_args`, each field's shape
+documented there once): :class:`Attention`, :class:`Inclusion`, :class:`Pages`,
+:class:`Schedule` and :class:`TierOutputs`. Each scheduler's priority of a page is a function of
+the page's :class:`~tracesim.kernels.tier_priorities.PageInputs`: built-in rules are compiled in
+(``builtin_priority``), registered ones arrive as one C callback (``plugin_priority``).
+
 The plain-numpy reference, which the tests compare this kernel with, is
 :func:`tracesim.tiers.reference.simulate_layer_reference`; the definitions are in
 ``docs/tiers.md`` and :mod:`tracesim.tiers.schedulers`.
@@ -22,12 +28,31 @@ The plain-numpy reference, which the tests compare this kernel with, is
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba as nb
 import numpy as np
 
-#: Scheduler codes: the index of the name in :data:`tracesim.tiers.schedulers.SCHEDULERS`.
-(S_NONE, S_RANDOM, S_CONFIDENCE, S_CERTIFICATE, S_CERTIFICATE_PAGE, S_BOUND, S_ORACLE,
- S_CERTIFICATE_BOUND) = range(8)
+from tracesim.kernels.tier_args import Attention, Inclusion, Pages, Schedule, TierOutputs
+from tracesim.kernels.tier_priorities import (  # noqa: F401 - the codes are re-exported
+    N_BUILTIN,
+    S_BOUND,
+    S_CERTIFICATE,
+    S_CERTIFICATE_BOUND,
+    S_CERTIFICATE_PAGE,
+    S_CONFIDENCE,
+    S_NONE,
+    S_ORACLE,
+    S_RANDOM,
+    PageInputs,
+    builtin_priority,
+    plugin_priority,
+    quiet_first_class_functions,
+)
+
+__all__ = ["Attention", "Inclusion", "Pages", "Schedule", "TierOutputs", "tiers_layer",
+           "tiers_step"]
+
 #: Layers whose work (multiply-adds over steps x positions x query heads x head dim) is below
 #: this run serially: a parallel region costs more than it saves on tiny layers.
 SERIAL_BELOW = 1 << 22
@@ -125,12 +150,21 @@ def _add_page(Vg, e_g, kept_g, pi_g, hajek, start, stop, accn, accd):
 
 
 @nb.njit(cache=True)
-def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
-               pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
-               tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before, cert,
-               err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok, order_out,
-               nsel_out):
-    """Simulate decode step ``a`` (see :func:`tiers_layer` for the arguments)."""
+def tiers_step(a, att, inc, pages, schedule, out, plugin):
+    """Simulate decode step ``a`` of one layer, every scheduler and budget of ``schedule``.
+
+    ``att``, ``inc``, ``pages``, ``schedule`` and ``out`` are an :class:`Attention`,
+    :class:`Inclusion`, :class:`Pages`, :class:`Schedule` and :class:`TierOutputs`;
+    ``plugin`` is the callback of the run's registered rules
+    (:func:`tracesim.kernels.tier_priorities.plugin_priority`).
+    """
+    K, V, Q, qpos, scale = att
+    pi, kept, hajek, certified, tail_off, tail_pos = inc
+    (pg_off, pg_first, pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier,
+     block_slot, page) = pages
+    codes, fetches, scaled, budgets, conf_w, rprio, need_bound, need_uniforms = schedule
+    (err_before, cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
+     order_out, nsel_out) = out
     n_kv, _, d = K.shape
     H = Q.shape[0]
     G = H // n_kv
@@ -292,22 +326,14 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
         code = codes[si]
         for p in range(NP):
             g = head_of[p]
-            if code == S_RANDOM or code == S_CONFIDENCE:
-                prio[p] = rprio[a, p]
-            elif code == S_BOUND:
-                prio[p] = bterm[p]
-            elif code == S_ORACLE:
-                prio[p] = orc[p]
-            elif code == S_CERTIFICATE:
-                frac = bterm[p] / btot[g] if btot[g] > 0 else 1.0 / max(1, npages[g])
-                prio[p] = c2[g] * frac
-            elif code == S_CERTIFICATE_PAGE:
-                frac = bterm[p] / btot[g] if btot[g] > 0 else 0.0
-                prio[p] = pc[p] + 1e-9 * c2[g] * frac
-            elif code == S_CERTIFICATE_BOUND:
-                prio[p] = (pc[p] / pctot if pctot > 0 else 0.0) + (
-                    bterm[p] / bsum if bsum > 0 else 0.0)
-        n_order = 0 if code == S_NONE else nc
+            u = rprio[a, p] if need_uniforms else 0.0
+            if code < N_BUILTIN:
+                prio[p] = builtin_priority(code, PageInputs(
+                    u, bterm[p], orc[p], pc[p], c2[g], btot[g], npages[g], pctot, bsum))
+            else:
+                prio[p] = plugin(code - N_BUILTIN, u, bterm[p], orc[p], pc[p], c2[g], btot[g],
+                                 npages[g], pctot, bsum)
+        n_order = nc if fetches[si] else 0
         if n_order:
             for c in range(nc):
                 key[c] = -prio[cand[c]]
@@ -323,7 +349,7 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
             if f >= 1.0:
                 B = total
             else:
-                w = conf_w[a] if code == S_CONFIDENCE else 1.0
+                w = conf_w[a] if scaled[si] else 1.0
                 B = min(total, f * total * w)
             nsel[bi] = _n_le(cum, n_order, B * (1 + 1e-12))
             nsel_out[si, bi, a] = nsel[bi]
@@ -387,119 +413,68 @@ def tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off
 
 
 @nb.njit(cache=True, parallel=True)
-def _layer_parallel(K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
-                    pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
-                    tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
-                    cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
-                    order_out, nsel_out):
-    for a in nb.prange(qpos.size):
+def _layer_parallel(att, inc, pages, schedule, out, plugin):
+    # not called ``sched``: numba's parallel loop gives that name to its own work schedule
+    for a in nb.prange(att.qpos.size):
         # an int64 step index, so the serial and parallel kernels share one compiled step
         step = np.int64(a)
-        tiers_step(step, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
-                   pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
-                   tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
-                   cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
-                   order_out, nsel_out)
+        tiers_step(step, att, inc, pages, schedule, out, plugin)
 
 
 @nb.njit(cache=True)
-def _layer_serial(K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
-                  pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
-                  tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
-                  cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
-                  order_out, nsel_out):
-    for a in range(qpos.size):
-        tiers_step(a, K, V, Q, qpos, scale, pi, kept, hajek, certified, page, pg_off, pg_first,
-                   pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier, block_slot,
-                   tail_off, tail_pos, codes, budgets, conf_w, rprio, need_bound, err_before,
-                   cert, err_after, kv_bytes, kv_pages, evicted, tier_nf, tier_nb, kept_tok,
-                   order_out, nsel_out)
+def _layer_serial(att, inc, pages, schedule, out, plugin):
+    for a in range(att.qpos.size):
+        tiers_step(a, att, inc, pages, schedule, out, plugin)
 
 
-def tiers_layer(K: np.ndarray, V: np.ndarray, Q: np.ndarray, qpos: np.ndarray, scale: float,
-                pi: np.ndarray, kept: np.ndarray, hajek: bool, certified: bool, page: int,
-                pages: dict[str, np.ndarray], block_slot: np.ndarray, tail_off: np.ndarray,
-                tail_pos: np.ndarray, codes: np.ndarray, budgets: np.ndarray,
-                conf_w: np.ndarray, rprio: np.ndarray, need_bound: bool, n_tiers: int,
-                want_order: bool = False) -> dict[str, np.ndarray]:
+def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, schedule: Schedule, n_tiers: int,
+                want_order: bool = False, plugin: Any = None) -> dict[str, np.ndarray]:
     """Simulate every decode step of one layer for one seed.
 
     Parameters
     ----------
-    K, V : ndarray of float64, shape (n_kv, N, d)
-        Keys and values.
-    Q : ndarray of float64, shape (H, NQ, d)
-        The evaluated decode queries (``H = n_kv * G``, query head ``h`` reads KV head
-        ``h // G``).
-    qpos : ndarray of int64, shape (NQ,)
-        Their positions ``t`` (the step sees positions ``0..t``).
-    scale : float
-        Softmax scale.
-    pi : ndarray of float64, shape (n_kv, N)
-        Inclusion probabilities of the base policy.
-    kept : ndarray of bool, shape (n_kv, N)
-        Its kept set.
-    hajek, certified : bool
-        Hájek weights ``1/pi`` on the kept tokens; the certificate is computed.
-    page : int
-        Positions per page.
-    pages : dict
-        The evicted pages of all KV heads, head by head in position order (``NP`` in all):
-        ``off`` (n_kv + 1,) page offsets per head, ``first`` (NP,) first evicted position,
-        ``count`` (NP,) evicted tokens, ``kmin``, ``kmax``, ``vcen`` (NP, d), ``vrad`` (NP,)
-        their summaries (:func:`tracesim.bounds.pages.build_page_summaries`), ``bytes`` (NP,)
-        and ``tier`` (NP,) the lower tier each lives in.
-    block_slot : ndarray of int64, shape (n_kv, ceil(N / page))
-        Index within its head of the page of each block of positions, -1 for none.
-    tail_off, tail_pos : ndarray of int64
-        Sampled kept positions (``pi < 1``) of each head, ascending:
-        ``tail_pos[tail_off[g]:tail_off[g + 1]]``.
-    codes : ndarray of int64, shape (NS,)
-        Scheduler codes (``S_*``).
-    budgets : ndarray of float64, shape (NB,)
-        Fetch budgets, fractions of the layer's evicted bytes.
-    conf_w : ndarray of float64, shape (NQ,)
-        Budget multipliers of the ``confidence`` scheduler.
-    rprio : ndarray of float64, shape (NQ, NP)
-        Permanent uniforms of the ``random`` and ``confidence`` orders (any shape when neither
-        runs).
-    need_bound : bool
-        Compute the page bound (the ``bound``, ``certificate`` and ``certificate_page``
-        schedulers read it).
+    att : Attention
+        Keys, values, the evaluated decode queries, their positions and the softmax scale.
+    inc : Inclusion
+        The base policy's inclusion probabilities and kept set.
+    pages : Pages
+        The evicted pages and their summaries.
+    schedule : Schedule
+        Schedulers, fetch budgets and what the schedulers read.
     n_tiers : int
         Lower tiers.
     want_order : bool
         Also return each scheduler's fetch order (``order``).
+    plugin : numba.cfunc, optional
+        The callback of the registered rules among ``schedule.codes``
+        (:func:`tracesim.kernels.tier_priorities.plugin_priority`); none by default.
 
     Returns
     -------
     dict of str -> ndarray
-        ``err_before``, ``cert`` (H, NQ); ``err_after`` (NS, NB, H, NQ); ``kv_bytes``,
-        ``kv_pages`` (NS, NB, n_kv, NQ); ``evicted`` (n_kv, NQ); ``tier_nf``, ``tier_nb``
-        (NS, NB, NQ, n_tiers): fetches and bytes per tier; ``kept_tokens`` (NQ,); ``nsel``
-        (NS, NB, NQ): pages fetched; with ``want_order``, ``order`` (NS, NQ, NP): the visible
-        pages in fetch order (indices into ``pages``), so budget ``bi`` fetches
-        ``order[si, a, :nsel[si, bi, a]]``.
+        The fields of :class:`TierOutputs` by name (shapes documented there).
     """
-    n_kv, _, d = K.shape
-    H, NQ = Q.shape[0], qpos.size
-    NS, NB = codes.size, budgets.size
-    out = {"err_before": np.zeros((H, NQ)), "cert": np.zeros((H, NQ)),
-           "err_after": np.zeros((NS, NB, H, NQ)), "kv_bytes": np.zeros((NS, NB, n_kv, NQ)),
-           "kv_pages": np.zeros((NS, NB, n_kv, NQ)), "evicted": np.zeros((n_kv, NQ)),
-           "tier_nf": np.zeros((NS, NB, NQ, n_tiers)), "tier_nb": np.zeros((NS, NB, NQ, n_tiers)),
-           "kept_tokens": np.zeros(NQ, dtype=np.int64),
-           "nsel": np.zeros((NS, NB, NQ), dtype=np.int64),
-           "order": np.full((NS, NQ, pages["off"][-1]) if want_order else (0, 0, 0), -1,
-                            dtype=np.int64)}
-    work = int(np.sum(qpos + 1)) * H * d
+    n_kv = att.K.shape[0]
+    H, NQ, d = att.Q.shape[0], att.qpos.size, att.K.shape[2]
+    NS, NB = schedule.codes.size, schedule.budgets.size
+    out = TierOutputs(
+        err_before=np.zeros((H, NQ)), cert=np.zeros((H, NQ)),
+        err_after=np.zeros((NS, NB, H, NQ)), kv_bytes=np.zeros((NS, NB, n_kv, NQ)),
+        kv_pages=np.zeros((NS, NB, n_kv, NQ)), evicted=np.zeros((n_kv, NQ)),
+        tier_nf=np.zeros((NS, NB, NQ, n_tiers)), tier_nb=np.zeros((NS, NB, NQ, n_tiers)),
+        kept_tokens=np.zeros(NQ, dtype=np.int64),
+        order=np.full((NS, NQ, pages.off[-1]) if want_order else (0, 0, 0), -1,
+                      dtype=np.int64),
+        nsel=np.zeros((NS, NB, NQ), dtype=np.int64))
+    work = int(np.sum(att.qpos + 1)) * H * d
     # one step (the in-loop fetch) has nothing to run in parallel
     fn = _layer_serial if work < SERIAL_BELOW or NQ == 1 else _layer_parallel
-    fn(K, V, Q, np.ascontiguousarray(qpos, dtype=np.int64), float(scale), pi, kept,
-       bool(hajek), bool(certified), int(page), pages["off"], pages["first"], pages["count"],
-       pages["kmin"], pages["kmax"], pages["vcen"], pages["vrad"], pages["bytes"],
-       pages["tier"], block_slot, tail_off, tail_pos, codes, budgets, conf_w, rprio,
-       bool(need_bound), out["err_before"], out["cert"], out["err_after"], out["kv_bytes"],
-       out["kv_pages"], out["evicted"], out["tier_nf"], out["tier_nb"], out["kept_tokens"],
-       out["order"], out["nsel"])
-    return out
+    att = att._replace(qpos=np.ascontiguousarray(att.qpos, dtype=np.int64),
+                       scale=float(att.scale))
+    inc = inc._replace(hajek=bool(inc.hajek), certified=bool(inc.certified))
+    pages = pages._replace(page=int(pages.page))
+    schedule = schedule._replace(need_bound=bool(schedule.need_bound),
+                           need_uniforms=bool(schedule.need_uniforms))
+    with quiet_first_class_functions():
+        fn(att, inc, pages, schedule, out, plugin_priority(()) if plugin is None else plugin)
+    return out._asdict()

@@ -14,7 +14,12 @@ from tracesim.bounds.pages import build_page_summaries, logit_upper_bounds
 from tracesim.policies import LayerTrace, Policy
 from tracesim.replay.kept import event_inclusion
 from tracesim.tiers.model import MemoryModel
-from tracesim.tiers.schedulers import confidence_weights, random_priority
+from tracesim.tiers.schedulers import (
+    PageInputs,
+    confidence_weights,
+    get_scheduler,
+    random_priority,
+)
 from tracesim.tiers.simulate import (
     SUMS,
     layer_memory_model,
@@ -59,6 +64,9 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
     hajek = policy.correction == "hajek"
     conf_w = confidence_weights(step_logprobs(trace, qpos))
     layer_memory = layer_memory_model(memory, n_layers)
+    table = {s: get_scheduler(s) for s in schedulers}
+    need_bound = any(s.needs_bound for s in table.values())
+    need_uniforms = any(s.needs_uniforms for s in table.values())
 
     sums = zero_sums(NS, NB, H, n_kv, NQ, n_tiers)
     err_before, cert, err_after, kv_bytes, kv_pages, evicted, fetch_s, stall_s, tier_bytes = (
@@ -72,8 +80,11 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
         offsets = np.cumsum([0] + [hp.bytes.size for hp in heads])
         for a, qi in enumerate(qidx):
             t = int(qpos[a])
-            prio = {s: np.zeros(all_bytes.size) for s in schedulers}
+            # the schedulers' inputs (PageInputs), page by page over the layer
+            uniform_all, oracle_all = np.zeros(all_bytes.size), np.zeros(all_bytes.size)
             pc_all, b_all = np.zeros(all_bytes.size), np.zeros(all_bytes.size)
+            head_cert, head_bound = np.zeros(all_bytes.size), np.zeros(all_bytes.size)
+            head_pages = np.zeros(all_bytes.size, dtype=np.int64)
             base_num, base_den, page_num, page_den, truth = [], [], [], [], []
             kept_tokens = 0
             n_visible = []
@@ -137,58 +148,42 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                 truth.append(o)
                 evicted[g, a] += hp.bytes[:npg].sum()
                 sl = slice(offsets[g], offsets[g + 1])
-                if "oracle" in prio:
-                    prio["oracle"][sl] = (pd / e.sum(axis=0)).sum(axis=1)
-                if {"bound", "certificate", "certificate_page", "certificate_bound"} & set(prio):
+                oracle_all[sl] = (pd / e.sum(axis=0)).sum(axis=1)
+                bterm = np.zeros(hp.page_id.size)
+                if need_bound:
                     eK = e[km]
                     E_R = eK.sum(axis=0)
                     o_R = (eK.T @ V[km]) / E_R[:, None]
-                    bterm = np.zeros(hp.page_id.size)
                     if hp.page_id.size:
                         for h in range(G):
                             u = logit_upper_bounds(Q[h], hp.summ, trace.scale) - smax[h]
                             dist = np.linalg.norm(hp.summ.vcen - o_R[h], axis=1) + hp.summ.vrad
                             bterm += hp.summ.count * np.exp(np.minimum(u, 700.0)) * dist / E_R[h]
                         bterm[npg:] = 0.0
-                    if "bound" in prio:
-                        prio["bound"][sl] = bterm
-                    if "certificate" in prio:
-                        tot = bterm.sum()
-                        frac = bterm / tot if tot > 0 else np.full(bterm.size, 1.0 / max(
-                            1, bterm.size))
-                        prio["certificate"][sl] = c2.sum() * frac
-                    if "certificate_page" in prio or "certificate_bound" in prio:
-                        # the page's share of the certificate: its sampled tokens' terms
-                        slot = np.searchsorted(hp.page_id, tail_pos // memory.page)
-                        ok = (slot < hp.page_id.size) & (hp.page_id[np.minimum(
-                            slot, max(hp.page_id.size - 1, 0))] == tail_pos // memory.page) \
-                            if hp.page_id.size else np.zeros(tail_pos.size, dtype=bool)
-                        pc = np.zeros(hp.page_id.size)
-                        np.add.at(pc, slot[ok], contrib.sum(axis=1)[ok])
-                        tot = bterm.sum()
-                        frac = bterm / tot if tot > 0 else np.zeros(bterm.size)
-                        if "certificate_page" in prio:
-                            prio["certificate_page"][sl] = pc + 1e-9 * c2.sum() * frac
-                        if "certificate_bound" in prio:
-                            pc_all[sl], b_all[sl] = pc, bterm
-                if "random" in prio or "confidence" in prio:
-                    r = random_priority(int(seed), trace.layer, g, a, hp.page_id)
-                    for s_name in ("random", "confidence"):
-                        if s_name in prio:
-                            prio[s_name][sl] = r
-            if "certificate_bound" in prio:
-                # the page's share of the layer's certificate plus its share of the layer's bound
-                # (sequential sums, in the kernel's order)
-                ct = float(np.cumsum(pc_all)[-1]) if pc_all.size else 0.0
-                bt = float(np.cumsum(b_all)[-1]) if b_all.size else 0.0
-                prio["certificate_bound"] = (pc_all / ct if ct > 0 else 0.0 * pc_all) + (
-                    b_all / bt if bt > 0 else 0.0 * b_all)
+                # the page's share of the certificate: its sampled tokens' terms
+                slot = np.searchsorted(hp.page_id, tail_pos // memory.page)
+                ok = (slot < hp.page_id.size) & (hp.page_id[np.minimum(
+                    slot, max(hp.page_id.size - 1, 0))] == tail_pos // memory.page) \
+                    if hp.page_id.size else np.zeros(tail_pos.size, dtype=bool)
+                pc = np.zeros(hp.page_id.size)
+                np.add.at(pc, slot[ok], contrib.sum(axis=1)[ok])
+                pc_all[sl], b_all[sl] = pc, bterm
+                head_cert[sl], head_bound[sl], head_pages[sl] = c2.sum(), bterm.sum(), bterm.size
+                if need_uniforms:
+                    uniform_all[sl] = random_priority(int(seed), trace.layer, g, a, hp.page_id)
+            # layer totals: sequential sums, in the kernel's order
+            ct = float(np.cumsum(pc_all)[-1]) if pc_all.size else 0.0
+            bt = float(np.cumsum(b_all)[-1]) if b_all.size else 0.0
+            inputs = PageInputs(uniform=uniform_all, bound=b_all, oracle_mass=oracle_all,
+                                page_cert=pc_all, head_cert=head_cert, head_bound=head_bound,
+                                head_pages=head_pages, layer_cert=ct, layer_bound=bt)
+            prio = {name: s.reference(inputs) for name, s in table.items() if s.fetches}
             total = all_bytes.sum()
             # Pages a query cannot see yet (none for decode steps of one-shot eviction) never go.
             visible = np.concatenate([np.arange(hp.page_id.size) < nv
                                       for hp, nv in zip(heads, n_visible, strict=True)])
             for si, s_name in enumerate(schedulers):
-                if s_name == "none":
+                if not table[s_name].fetches:
                     order = np.zeros(0, dtype=np.int64)
                 else:
                     cand = np.flatnonzero(visible)
@@ -197,7 +192,7 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                 for bi, f in enumerate(budgets):
                     # f = 1 is unlimited: every evicted page, for every scheduler.
                     B = total if f >= 1.0 else min(
-                        total, f * total * (conf_w[a] if s_name == "confidence" else 1.0))
+                        total, f * total * (conf_w[a] if table[s_name].scaled_budget else 1.0))
                     n_sel = int(np.searchsorted(cum, B * (1 + 1e-12), side="right"))
                     sel = order[:n_sel]
                     mask = np.zeros(all_bytes.size, dtype=bool)

@@ -26,6 +26,7 @@ from tracesim.columns import to_arrow
 from tracesim.integrity import file_sha256
 from tracesim.policies import Policy
 from tracesim.replay import load_layer
+from tracesim.tiers.schedulers import BUILTIN_SCHEDULERS, get_scheduler
 from tracesim.tiers.simulate import simulate_layer
 from tracesim.tiers.spec import TiersSpec, parse_tiers_spec, seeds_array
 
@@ -108,6 +109,7 @@ def compute_part(spec: TiersSpec, store: Any, sid: str, policy: Policy, path: Pa
     n_layers = store.model.n_layers
     layers = list(range(n_layers)) if spec.layers is None else list(spec.layers)
     schema = tiers_schema(tuple(t.name for t in spec.memory.lower))
+    not_deployable = [s for s in spec.schedulers if not get_scheduler(s).deployable]
     seq = store[sid]
     tables = []
     try:
@@ -123,7 +125,7 @@ def compute_part(spec: TiersSpec, store: Any, sid: str, policy: Policy, path: Pa
                 "correct": np.full(n, bool(meta.get("correct", False))),
                 "config_id": np.full(n, policy.id, dtype=object),
                 "layer": np.full(n, layer, dtype=np.int32),
-                "deployable": cols["scheduler"] != "oracle",
+                "deployable": np.isin(cols["scheduler"], not_deployable, invert=True),
                 "page": np.full(n, spec.memory.page, dtype=np.int32),
             })
             tables.append(_table(cols, schema))
@@ -169,6 +171,11 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
     """
     if backend not in ("local", "dask"):
         raise ValueError(f"backend = {backend!r}: expected 'local' or 'dask'")
+    registered = [s for s in spec.schedulers if s not in BUILTIN_SCHEDULERS]
+    if backend == "dask" and registered:
+        raise ValueError(f"schedulers {registered} are registered in this process only "
+                         "(register_scheduler); Dask workers are other processes: use the "
+                         "local backend")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     parts = out / "parts"

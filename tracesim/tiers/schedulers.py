@@ -1,5 +1,12 @@
 """Fetch schedulers: which evicted pages to bring back at one decode step of one layer.
 
+The table of schedulers: :data:`BUILTIN_SCHEDULERS` and those added with
+:func:`register_scheduler` (``docs/extending.md``, "A new fetch scheduler"). Each entry is a
+:class:`Scheduler`: a name, what it reads, and its priority rule as a numba-compilable function
+of :class:`~tracesim.kernels.tier_priorities.PageInputs` (the kernel's) and as a numpy function
+of the same inputs as arrays (the reference's). The built-in rules are in
+:mod:`tracesim.kernels.tier_priorities`.
+
 Each scheduler turns what it may know at a step into a *priority* for every evicted page of
 every KV head of the layer; the simulator then fetches pages in decreasing priority until the
 step's byte budget is spent. All but ``oracle`` use only what a server has at that step.
@@ -31,22 +38,186 @@ average and mass, all measured relative to the largest kept logit.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
+from tracesim.kernels import tier_priorities as tp
+from tracesim.kernels.tier_args import Schedule
+from tracesim.kernels.tier_priorities import PageInputs
 from tracesim.prn import permanent_uniforms
 
-__all__ = ["BOUND_SCHEDULERS", "CERTIFIED_SCHEDULERS", "DEPLOYABLE", "SCHEDULERS",
-           "STREAM_FETCH", "confidence_weights", "random_priority"]
+__all__ = ["BOUND_SCHEDULERS", "BUILTIN_SCHEDULERS", "CERTIFIED_SCHEDULERS", "DEPLOYABLE",
+           "SCHEDULERS", "STREAM_FETCH", "PageInputs", "Scheduler", "confidence_weights",
+           "get_scheduler", "kernel_schedule", "random_priority", "register_scheduler",
+           "scheduler_names", "scheduler_source_hash"]
 
-SCHEDULERS = ("none", "random", "confidence", "certificate", "certificate_page", "bound",
-              "oracle", "certificate_bound")
-DEPLOYABLE = {s: s != "oracle" for s in SCHEDULERS}
-#: Schedulers that read the certificate, so need a certified base policy.
-CERTIFIED_SCHEDULERS = frozenset({"certificate", "certificate_page", "certificate_bound"})
-#: Schedulers that read the page bound.
-BOUND_SCHEDULERS = frozenset({"bound", "certificate", "certificate_page", "certificate_bound"})
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+
+
+@dataclass(frozen=True)
+class Scheduler:
+    """One fetch scheduler: its name, what it reads, and its priority rule twice.
+
+    Pages are fetched in decreasing priority (ties in page order) until the step's byte budget
+    is spent.
+
+    Parameters
+    ----------
+    name : str
+        What specs and results call it (lower case letters, digits and ``_``).
+    priority : callable
+        The rule for the kernel: a numba-compilable function (``@numba.njit`` or plain) of one
+        :class:`PageInputs` of scalars, returning the page's priority (float).
+    reference : callable
+        The same rule in numpy for :func:`tracesim.tiers.reference.simulate_layer_reference`:
+        a function of one :class:`PageInputs` whose per-page fields are arrays of shape (NP,),
+        returning the priorities, shape (NP,).
+    deployable : bool, default True
+        False for a rule that reads what a server does not have (``oracle_mass``).
+    needs_certificate : bool, default False
+        Reads ``page_cert``, ``head_cert`` or ``layer_cert``: refuses an uncertified base
+        policy.
+    needs_bound : bool, default False
+        Reads ``bound``, ``head_bound`` or ``layer_bound`` (computed only when some scheduler
+        of the run needs them).
+    needs_uniforms : bool, default False
+        Reads ``uniform``.
+    fetches : bool, default True
+        False for ``none`` alone (fetches nothing; ``priority`` is never called).
+    scaled_budget : bool, default False
+        The step's byte budget is multiplied by the ``confidence`` weights.
+    in_loop : bool, default True
+        ``tracesim evict --fetch`` can enforce it (``confidence`` needs the whole sequence).
+    """
+
+    name: str
+    priority: Callable[[PageInputs], float]
+    reference: Callable[[PageInputs], np.ndarray]
+    deployable: bool = True
+    needs_certificate: bool = False
+    needs_bound: bool = False
+    needs_uniforms: bool = False
+    fetches: bool = True
+    scaled_budget: bool = False
+    in_loop: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(f"Scheduler.name = {self.name!r}: expected lower case letters, "
+                             "digits and _ (at most 48, starting with a letter)")
+        for field in ("priority", "reference"):
+            if not callable(getattr(self, field)):
+                raise ValueError(f"Scheduler {self.name!r}: {field} = "
+                                 f"{getattr(self, field)!r}: expected a function of PageInputs")
+        for field in ("deployable", "needs_certificate", "needs_bound", "needs_uniforms",
+                      "fetches", "scaled_budget", "in_loop"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"Scheduler {self.name!r}: {field} = "
+                                 f"{getattr(self, field)!r}: expected a bool")
+
+
+def _builtin(name: str, rule: str, **flags: Any) -> Scheduler:
+    return Scheduler(name, getattr(tp, f"{rule}_priority"), getattr(tp, f"{rule}_reference"),
+                     **flags)
+
+
+#: The built-in schedulers in code order (``tracesim.kernels.tier_priorities.S_*``).
+BUILTIN_SCHEDULERS: dict[str, Scheduler] = {s.name: s for s in (
+    Scheduler("none", tp.uniform_priority, tp.uniform_reference, fetches=False),
+    _builtin("random", "uniform", needs_uniforms=True),
+    _builtin("confidence", "uniform", needs_uniforms=True, scaled_budget=True, in_loop=False),
+    _builtin("certificate", "certificate", needs_certificate=True, needs_bound=True),
+    _builtin("certificate_page", "certificate_page", needs_certificate=True,
+             needs_bound=True),
+    _builtin("bound", "bound", needs_bound=True),
+    _builtin("oracle", "oracle", deployable=False),
+    _builtin("certificate_bound", "certificate_bound", needs_certificate=True,
+             needs_bound=True),
+)}
+#: Schedulers registered in this process (:func:`register_scheduler`), in registration order.
+_REGISTERED: dict[str, Scheduler] = {}
+
+SCHEDULERS = tuple(BUILTIN_SCHEDULERS)
+DEPLOYABLE = {s: BUILTIN_SCHEDULERS[s].deployable for s in SCHEDULERS}
+#: Built-in schedulers that read the certificate, so need a certified base policy.
+CERTIFIED_SCHEDULERS = frozenset(s for s in SCHEDULERS if BUILTIN_SCHEDULERS[s].needs_certificate)
+#: Built-in schedulers that read the page bound.
+BOUND_SCHEDULERS = frozenset(s for s in SCHEDULERS if BUILTIN_SCHEDULERS[s].needs_bound)
 #: Permanent-random-number stream of fetch orders (0: inclusion, 1: score perturbations).
 STREAM_FETCH = 2
+
+
+def register_scheduler(scheduler: Scheduler) -> Scheduler:
+    """Add a scheduler to this process's table, so specs and :func:`tracesim.tiers.run_tiers`
+    (local backend) can name it; returns it.
+
+    Raises
+    ------
+    ValueError
+        If it is not a :class:`Scheduler` or its name is a built-in's. Registering a name
+        again replaces the earlier entry (a module imported twice, a notebook cell rerun).
+    """
+    if not isinstance(scheduler, Scheduler):
+        raise ValueError(f"register_scheduler({scheduler!r}): expected a Scheduler")
+    if scheduler.name in BUILTIN_SCHEDULERS:
+        raise ValueError(f"scheduler name {scheduler.name!r} is a built-in's; choose another")
+    _REGISTERED[scheduler.name] = scheduler
+    return scheduler
+
+
+def scheduler_names() -> tuple[str, ...]:
+    """Every scheduler a spec may name: the built-ins, then the registered ones."""
+    return SCHEDULERS + tuple(_REGISTERED)
+
+
+def get_scheduler(name: str) -> Scheduler:
+    """The table's entry for ``name``; ``ValueError`` naming the choices if there is none."""
+    found = BUILTIN_SCHEDULERS.get(name) or _REGISTERED.get(name)
+    if found is None:
+        raise ValueError(f"unknown scheduler {name!r}; expected one of {list(scheduler_names())}")
+    return found
+
+
+def scheduler_source_hash(name: str) -> str:
+    """``sha256:<hex>`` of the source files defining a scheduler's two rules
+    (:func:`tracesim.plugins.source_hash`)."""
+    from tracesim.plugins import source_hash
+
+    s = get_scheduler(name)
+    parts = [source_hash(getattr(f, "py_func", f)) for f in (s.priority, s.reference)]
+    return parts[0] if parts[0] == parts[1] else "+".join(parts)
+
+
+def kernel_schedule(names: Iterable[str], budgets: np.ndarray, conf_w: np.ndarray,
+                    rprio: np.ndarray) -> tuple[Schedule, Any]:
+    """The kernel's :class:`~tracesim.kernels.tier_args.Schedule` of the named schedulers and
+    the callback of their registered rules (:func:`tracesim.kernels.tier_priorities.
+    plugin_priority`).
+
+    ``budgets`` (NB,) and ``conf_w`` (NQ,) as the kernel takes them; ``rprio`` (NQ, NP) the
+    pages' permanent uniforms, read when some scheduler ``needs_uniforms``.
+    """
+    table = [get_scheduler(n) for n in names]
+    rules: list[Callable[[PageInputs], float]] = []
+    codes = []
+    for s in table:
+        if s.name in BUILTIN_SCHEDULERS:
+            codes.append(SCHEDULERS.index(s.name))
+        else:
+            codes.append(tp.N_BUILTIN + len(rules))
+            rules.append(s.priority)
+    sched = Schedule(
+        codes=np.array(codes, dtype=np.int64),
+        fetches=np.array([s.fetches for s in table], dtype=np.bool_),
+        scaled=np.array([s.scaled_budget for s in table], dtype=np.bool_),
+        budgets=budgets, conf_w=conf_w, rprio=rprio,
+        need_bound=any(s.needs_bound for s in table),
+        need_uniforms=any(s.needs_uniforms for s in table))
+    return sched, tp.plugin_priority(tuple(rules))
 
 
 def random_priority(seed: int, layer: int, kv_head: int, step: int,

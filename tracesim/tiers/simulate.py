@@ -27,18 +27,18 @@ import numpy as np
 
 from tracesim.kernels.bounds import build_pages
 from tracesim.kernels.replay_events import check_logit_span
-from tracesim.kernels.tiers import tiers_layer
+from tracesim.kernels.tiers import Attention, Inclusion, Pages, tiers_layer
 from tracesim.policies import LayerTrace, Policy
 from tracesim.prn import permanent_uniforms
 from tracesim.replay.engine import evaluated_queries
 from tracesim.replay.kept import event_inclusion
 from tracesim.tiers.model import MemoryModel
 from tracesim.tiers.schedulers import (
-    BOUND_SCHEDULERS,
-    CERTIFIED_SCHEDULERS,
-    SCHEDULERS,
     STREAM_FETCH,
     confidence_weights,
+    get_scheduler,
+    kernel_schedule,
+    scheduler_names,
 )
 
 __all__ = ["check_inputs", "kernel_pages", "layer_memory_model", "prepare_inputs",
@@ -64,9 +64,10 @@ def step_logprobs(trace: LayerTrace, positions: np.ndarray) -> np.ndarray:
 def check_inputs(trace: LayerTrace, policy: Policy, schedulers: tuple[str, ...],
                  budgets: np.ndarray) -> None:
     """Raise ``ValueError`` naming the field for anything the simulator cannot run."""
-    bad = [s for s in schedulers if s not in SCHEDULERS]
+    known = scheduler_names()
+    bad = [s for s in schedulers if s not in known]
     if bad:
-        raise ValueError(f"schedulers: unknown {bad}; expected some of {list(SCHEDULERS)}")
+        raise ValueError(f"schedulers: unknown {bad}; expected some of {list(known)}")
     if not schedulers:
         raise ValueError("schedulers: at least one is required")
     if budgets.size == 0 or np.any(~np.isfinite(budgets)) or np.any(budgets < 0) \
@@ -78,8 +79,9 @@ def check_inputs(trace: LayerTrace, policy: Policy, schedulers: tuple[str, ...],
     if policy.schedule.kind != "oneshot":
         raise ValueError(f"policy {policy.id}: tiers simulates one-shot eviction only "
                          "(schedule: oneshot)")
-    if CERTIFIED_SCHEDULERS & set(schedulers) and not policy.certified:
-        raise ValueError(f"schedulers {sorted(CERTIFIED_SCHEDULERS & set(schedulers))} need a "
+    certified = sorted({s for s in schedulers if get_scheduler(s).needs_certificate})
+    if certified and not policy.certified:
+        raise ValueError(f"schedulers {certified} need a "
                          f"certified base policy (randomized design with the Hájek correction); "
                          f"{policy.id} is not")
     if not any(r == "decode" for r in trace.query_roles):
@@ -98,10 +100,9 @@ def layer_memory_model(memory: MemoryModel, n_layers: int) -> MemoryModel:
 
 
 def kernel_pages(keys: np.ndarray, values: np.ndarray, kept: np.ndarray, page: int,
-                 token_bytes: int, layer_memory: MemoryModel
-                 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The evicted pages of every KV head (as :func:`tracesim.kernels.tiers.tiers_layer` takes
-    them) and the block -> page map; the summaries are those of
+                 token_bytes: int, layer_memory: MemoryModel) -> Pages:
+    """The evicted pages of every KV head with the block -> page map, as
+    :func:`tracesim.kernels.tiers.tiers_layer` takes them; the summaries are those of
     :func:`tracesim.bounds.pages.build_page_summaries`, computed by the bound kernel.
 
     ``keys``, ``values`` (n_kv, N, d) float64 and ``kept`` (n_kv, N) cover at least every
@@ -123,21 +124,19 @@ def kernel_pages(keys: np.ndarray, values: np.ndarray, kept: np.ndarray, page: i
         return np.ascontiguousarray(np.concatenate([x[g, :m] for g, m in enumerate(sizes)]))
 
     nbytes = cat(count).astype(np.float64) * token_bytes
-    pages = {"off": off, "first": cat(first), "count": cat(count), "kmin": cat(kmin),
-             "kmax": cat(kmax), "vcen": cat(vcen), "vrad": cat(vrad), "bytes": nbytes,
-             "tier": layer_memory.placement(nbytes)}
-    return pages, block_slot
+    return Pages(off=off, first=cat(first), count=cat(count), kmin=cat(kmin), kmax=cat(kmax),
+                 vcen=cat(vcen), vrad=cat(vrad), nbytes=nbytes,
+                 tier=layer_memory.placement(nbytes), block_slot=block_slot, page=int(page))
 
 
-def random_priorities(seed: int, layer: int, pages: dict[str, np.ndarray], page: int,
-                      steps: np.ndarray) -> np.ndarray:
+def random_priorities(seed: int, layer: int, pages: Pages, steps: np.ndarray) -> np.ndarray:
     """:func:`tracesim.tiers.schedulers.random_priority` of every page at each of ``steps``
     (decode step indices), shape (len(steps), NP)."""
-    off = pages["off"]
+    off = pages.off
     steps = np.asarray(steps, dtype=np.int64)[:, None]
     out = np.empty((steps.shape[0], off[-1]))
     for g in range(off.size - 1):
-        pid = pages["first"][off[g]:off[g + 1]] // page
+        pid = pages.first[off[g]:off[g + 1]] // pages.page
         key = (steps * 65537 + pid[None, :]) % (1 << 32)
         out[:, off[g]:off[g + 1]] = permanent_uniforms(
             int(seed), int(layer), g, key.ravel(), stream=STREAM_FETCH).reshape(key.shape)
@@ -184,7 +183,8 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
         Layers of the model (for the policy's budget schedule).
     memory : MemoryModel
     schedulers : tuple of str
-        Names from :data:`tracesim.tiers.schedulers.SCHEDULERS`.
+        Names from :func:`tracesim.tiers.schedulers.scheduler_names` (the built-ins and the
+        registered ones).
     budgets : ndarray, shape (B,)
         Fetch budgets as fractions of the layer's evicted bytes at the step.
 
@@ -202,9 +202,7 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
     n_tiers = len(memory.lower)
     conf_w = confidence_weights(step_logprobs(trace, qpos))
     layer_memory = layer_memory_model(memory, n_layers)
-    sched = np.array([SCHEDULERS.index(s) for s in schedulers], dtype=np.int64)
-    need_bound = bool(BOUND_SCHEDULERS & set(schedulers))
-    need_random = bool({"random", "confidence"} & set(schedulers))
+    need_uniforms = any(get_scheduler(s).needs_uniforms for s in schedulers)
     K = np.ascontiguousarray(trace.keys, dtype=np.float64)
     V = np.ascontiguousarray(trace.values, dtype=np.float64)
     Q = np.ascontiguousarray(trace.queries[:, qidx], dtype=np.float64)
@@ -217,14 +215,15 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
         pi, kept = event_inclusion(trace, policy, int(seed), n_layers)
         pi = np.ascontiguousarray(pi, dtype=np.float64)
         kept = np.ascontiguousarray(kept, dtype=np.bool_)
-        pages, block_slot = kernel_pages(trace.keys, trace.values, kept, memory.page, tb,
-                                         layer_memory)
+        pages = kernel_pages(trace.keys, trace.values, kept, memory.page, tb, layer_memory)
         tail_off, tail_pos = tail_positions(pi, kept)
-        rprio = (random_priorities(int(seed), trace.layer, pages, memory.page, np.arange(NQ))
-                 if need_random else np.zeros((1, 1)))
-        r = tiers_layer(K, V, Q, qpos, trace.scale, pi, kept, policy.correction == "hajek",
-                        bool(policy.certified), memory.page, pages, block_slot, tail_off,
-                        tail_pos, sched, budgets, conf_w, rprio, need_bound, n_tiers)
+        rprio = (random_priorities(int(seed), trace.layer, pages, np.arange(NQ))
+                 if need_uniforms else np.zeros((1, 1)))
+        sched, plugin = kernel_schedule(schedulers, budgets, conf_w, rprio)
+        r = tiers_layer(Attention(K, V, Q, qpos, trace.scale),
+                        Inclusion(pi, kept, policy.correction == "hajek", bool(policy.certified),
+                                  tail_off, tail_pos),
+                        pages, sched, n_tiers, plugin=plugin)
         for k in ("err_before", "cert", "err_after", "kv_bytes", "kv_pages", "evicted"):
             sums[k] += r[k]
         sums["tier_bytes"] += r["tier_nb"]

@@ -38,7 +38,7 @@ from tracesim.counts import LAYER_INDEX, LAYERS, SEED_VALUE, SEQUENCES, TIERS_SE
 from tracesim.policies import Policy
 from tracesim.policies.grid import parse_grid
 from tracesim.tiers.model import MemoryModel, TierError, memory_model_from_dict
-from tracesim.tiers.schedulers import SCHEDULERS
+from tracesim.tiers.schedulers import SCHEDULERS, scheduler_names, scheduler_source_hash
 
 __all__ = ["MAX_SEEDS", "TiersSpec", "load_tiers_spec", "parse_tiers_spec"]
 
@@ -64,10 +64,14 @@ class TiersSpec:
 
     @property
     def spec_hash(self) -> str:
-        """sha256 of the canonical spec (what a resumed run must match)."""
+        """sha256 of the canonical spec (what a resumed run must match); a registered scheduler
+        adds the hash of its rules' source files, so editing one never mixes rows."""
         doc = {k: v for k, v in self.raw.items() if k not in ("store", "name")}
         doc["policies"] = [p.id for p in self.policies]
         doc["memory"] = self.memory.to_dict()
+        registered = [s for s in self.schedulers if s not in SCHEDULERS]
+        if registered:
+            doc["scheduler_sources"] = {s: scheduler_source_hash(s) for s in registered}
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -124,10 +128,11 @@ def parse_tiers_spec(doc: Any, source: str = "<dict>") -> TiersSpec:
     scheds = doc.get("schedulers", list(SCHEDULERS))
     if not isinstance(scheds, list) or not scheds:
         raise TierError(f"{source}: schedulers: expected a non-empty list")
-    bad = [s for s in scheds if s not in SCHEDULERS]
+    known = scheduler_names()
+    bad = [s for s in scheds if s not in known]
     if bad:
         raise TierError(f"{source}: schedulers: unknown {bad}; expected some of "
-                        f"{list(SCHEDULERS)}")
+                        f"{list(known)}")
     if "certificate" in scheds:
         uncertified = [p.id for p in policies if not p.certified]
         if uncertified:

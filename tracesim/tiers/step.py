@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tracesim.kernels.tiers import tiers_layer
+from tracesim.kernels.tiers import Attention, Inclusion, Pages, tiers_layer
 from tracesim.tiers.model import MemoryModel
-from tracesim.tiers.schedulers import BOUND_SCHEDULERS, SCHEDULERS
+from tracesim.tiers.schedulers import BUILTIN_SCHEDULERS, get_scheduler, kernel_schedule
 from tracesim.tiers.simulate import (
     kernel_pages,
     layer_memory_model,
@@ -40,10 +40,9 @@ from tracesim.tiers.simulate import (
 __all__ = ["INLOOP_SCHEDULERS", "LayerFetch", "StepFetch", "layer_fetch", "layer_memory_model",
            "step_fetch"]
 
-#: Schedulers the in-loop fetch enforces (``confidence`` needs the whole sequence's log-probs
-#: to normalise its per-step budgets, which a decode loop does not have).
-INLOOP_SCHEDULERS = ("none", "random", "certificate", "certificate_page", "bound", "oracle",
-                     "certificate_bound")
+#: Built-in schedulers the in-loop fetch enforces (``confidence`` needs the whole sequence's
+#: log-probs to normalise its per-step budgets, which a decode loop does not have).
+INLOOP_SCHEDULERS = tuple(n for n, s in BUILTIN_SCHEDULERS.items() if s.in_loop)
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,8 @@ class LayerFetch:
     ----------
     memory : MemoryModel
         The layer's model (:func:`layer_memory_model`).
-    pages : dict of str -> ndarray
-        The pages (``off``, ``first``, ``count``, summaries, ``bytes``, ``tier``).
-    block_slot : ndarray of int64, shape (n_kv, ceil(P / page))
+    pages : Pages
+        The pages, their summaries and the block -> page map.
     tail_off, tail_pos : ndarray of int64
         The sampled kept positions of each KV head.
     hajek, certified : bool
@@ -65,8 +63,7 @@ class LayerFetch:
     """
 
     memory: MemoryModel
-    pages: dict[str, np.ndarray]
-    block_slot: np.ndarray
+    pages: Pages
     tail_off: np.ndarray
     tail_pos: np.ndarray
     hajek: bool
@@ -74,7 +71,7 @@ class LayerFetch:
 
     @property
     def n_pages(self) -> int:
-        return int(self.pages["off"][-1])
+        return int(self.pages.off[-1])
 
 
 def layer_fetch(keys: np.ndarray, values: np.ndarray, pi: np.ndarray, kept: np.ndarray,
@@ -92,11 +89,10 @@ def layer_fetch(keys: np.ndarray, values: np.ndarray, pi: np.ndarray, kept: np.n
     hajek, certified : bool
     """
     kept = np.ascontiguousarray(kept, dtype=np.bool_)
-    pages, block_slot = kernel_pages(keys, values, kept, memory.page,
-                                     memory.token_bytes(keys.shape[2]), memory)
+    pages = kernel_pages(keys, values, kept, memory.page, memory.token_bytes(keys.shape[2]),
+                         memory)
     tail_off, tail_pos = tail_positions(np.asarray(pi, dtype=np.float64), kept)
-    return LayerFetch(memory, pages, block_slot, tail_off, tail_pos, bool(hajek),
-                      bool(certified))
+    return LayerFetch(memory, pages, tail_off, tail_pos, bool(hajek), bool(certified))
 
 
 @dataclass(frozen=True)
@@ -136,7 +132,7 @@ def step_fetch(lf: LayerFetch, scheduler: str, budget: float, query: np.ndarray,
     ----------
     lf : LayerFetch
     scheduler : str
-        One of :data:`INLOOP_SCHEDULERS`.
+        One of :data:`INLOOP_SCHEDULERS`, or a registered scheduler enforceable in the loop.
     budget : float
         Bytes fetched, as a fraction of the layer's evicted bytes.
     query : ndarray of float64, shape (H, d)
@@ -156,26 +152,28 @@ def step_fetch(lf: LayerFetch, scheduler: str, budget: float, query: np.ndarray,
     pages, page, memory = lf.pages, lf.memory.page, lf.memory
     n_tiers = len(memory.lower)
     t = int(n_positions) - 1
-    if scheduler == "none" or lf.n_pages == 0:
+    rule = get_scheduler(scheduler)
+    if not rule.fetches or lf.n_pages == 0:
         sel = np.zeros(0, dtype=np.int64)
         nf, nb = np.zeros(n_tiers), np.zeros(n_tiers)
         kept_tokens = float(np.count_nonzero(kept[:, :t + 1]))
     else:
-        rprio = (random_priorities(int(seed), int(layer), pages, page, np.array([step]))
-                 if scheduler == "random" else np.zeros((1, 1)))
-        r = tiers_layer(keys, values, np.ascontiguousarray(query[:, None, :], dtype=np.float64),
-                        np.array([t], dtype=np.int64), float(scale), pi, kept, lf.hajek,
-                        lf.certified, page, pages, lf.block_slot, lf.tail_off, lf.tail_pos,
-                        np.array([SCHEDULERS.index(scheduler)], dtype=np.int64),
-                        np.array([float(budget)]), np.ones(1), rprio,
-                        scheduler in BOUND_SCHEDULERS, n_tiers, want_order=True)
+        rprio = (random_priorities(int(seed), int(layer), pages, np.array([step]))
+                 if rule.needs_uniforms else np.zeros((1, 1)))
+        sched, plugin = kernel_schedule((scheduler,), np.array([float(budget)]), np.ones(1),
+                                        rprio)
+        r = tiers_layer(Attention(keys, values,
+                                  np.ascontiguousarray(query[:, None, :], dtype=np.float64),
+                                  np.array([t], dtype=np.int64), float(scale)),
+                        Inclusion(pi, kept, lf.hajek, lf.certified, lf.tail_off, lf.tail_pos),
+                        pages, sched, n_tiers, want_order=True, plugin=plugin)
         sel = r["order"][0, 0, :r["nsel"][0, 0, 0]]
         nf, nb = r["tier_nf"][0, 0, 0], r["tier_nb"][0, 0, 0]
         kept_tokens = float(r["kept_tokens"][0])
-    off = pages["off"]
-    per_head = [np.sort(pages["first"][sel[(sel >= off[g]) & (sel < off[g + 1])]] // page)
+    off = pages.off
+    per_head = [np.sort(pages.first[sel[(sel >= off[g]) & (sel < off[g + 1])]] // page)
                 for g in range(n_kv)]
     fs, st = modelled_times(memory, nf, nb, np.float64(kept_tokens),
                             memory.token_bytes(keys.shape[2]))
-    return StepFetch(per_head, float(nb.sum()), float(sel.size), float(pages["bytes"].sum()),
+    return StepFetch(per_head, float(nb.sum()), float(sel.size), float(pages.nbytes.sum()),
                      float(fs), float(st), nb)
