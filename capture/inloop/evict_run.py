@@ -212,7 +212,8 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
             t0 = time.perf_counter()
             res = decode_policy(loaded.model, pre, plans, budget, eos, policy, max(seed, 0),
                                 fetch=fc)
-            row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers)
+            row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers,
+                              n_kv=store.model.n_kv_heads, head_dim=store.model.head_dim)
             if fetch:
                 from capture.inloop.fetch import fetch_columns
 
