@@ -26,8 +26,8 @@ import pandas as pd
 from analysis.multiplicity import holm
 from tracesim.safeio import loads_json
 
-__all__ = ["accuracy_bytes_figure", "configuration_label", "outcome_table", "per_step_claims",
-           "sign_flip_p"]
+__all__ = ["REPORT_COLUMNS", "accuracy_bytes_figure", "add_to_report", "configuration_label",
+           "outcome_table", "per_step_claims", "sign_flip_p"]
 
 #: Monte Carlo sign patterns beyond 16 sequences (fixed seed: reruns give the same p).
 SIGN_FLIP_DRAWS = 20000
@@ -225,6 +225,31 @@ def accuracy_bytes_figure(table: pd.DataFrame) -> tuple[bytes, str] | None:
     return _png(fig), caption
 
 
+#: Columns of the report's table.
+REPORT_COLUMNS = ("label", "runs", "sequences", "accuracy", "same_as_full",
+                  "step_tokens_fraction", "step_kib", "link_kib", "step_us", "certificate_mean",
+                  "d_full", "p_full_holm", "d_snapkv", "p_snapkv_holm", "d_topk", "p_topk_holm")
+
+
+def add_to_report(report, outcomes: pd.DataFrame, prereg) -> None:
+    """The in-loop per-step table, its claims (C2, C3, C6 on per-step rows) and the
+    accuracy-bytes figure, into an :class:`analysis.report.Report` (nothing without per-step
+    outcomes)."""
+    if "schedule" not in outcomes or not (outcomes["schedule"].astype(str) == "step").any():
+        return
+    table = outcome_table(outcomes, alpha=prereg.alpha)
+    report.tables["per-step designs in the loop: outcomes per configuration"] = (
+        table[list(REPORT_COLUMNS)].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    claims = per_step_claims(outcomes, prereg)
+    c2 = claims["C2"]
+    lines = ["C2 end to end (per-step Poisson vs per-step top-k, same proxy): "
+             + (f"difference {c2['accuracy_difference']:+.3f} over {c2['accuracy_pairs']} "
+                f"sequences, TOST p = {c2['accuracy_tost_p']:.3g}" if c2 else "too few pairs")]
+    lines += [f"{c}: {claims[c].verdict}; {claims[c].detail}" for c in ("C3", "C6")]
+    report.tables["per-step designs in the loop: C2, C3, C6"] = "\n".join(lines)
+    report.add_figure("accuracy_vs_bytes", accuracy_bytes_figure(table))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="a tracesim evict output directory")
@@ -235,11 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
     outcomes = pq.read_table(f"{args.out}/outcomes.parquet").to_pandas()
     table = outcome_table(outcomes)
-    cols = ["label", "runs", "sequences", "accuracy", "same_as_full", "step_tokens_fraction",
-            "step_kib", "link_kib", "step_us", "certificate_mean", "d_full", "p_full_holm",
-            "d_snapkv", "p_snapkv_holm", "d_topk", "p_topk_holm"]
     with pd.option_context("display.width", 250, "display.max_columns", 30):
-        print(table[cols].round(3).to_string(index=False))
+        print(table[list(REPORT_COLUMNS)].round(3).to_string(index=False))
     if args.prereg:
         from analysis.prereg import load_prereg
 

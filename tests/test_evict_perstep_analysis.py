@@ -84,3 +84,25 @@ def test_per_step_claims_use_only_per_step_rows(outcomes):
     assert claims["C3"].estimate == pytest.approx(-1 / 8)
     assert "1 deployable certified per-step" in claims["C3"].detail
     assert claims["C6"].claim == "C6"
+
+
+def test_the_report_gets_the_per_step_table_claims_and_figure(outcomes):
+    from analysis.evict_perstep import add_to_report
+    from analysis.prereg import load_prereg
+
+    class Report:
+        tables: dict = {}
+        figures: dict = {}
+
+        def add_figure(self, name, made):
+            if made is not None:
+                self.figures[name] = made
+
+    report = Report()
+    prereg = load_prereg("data/prereg.yaml")
+    add_to_report(report, outcomes[outcomes["schedule"] == "oneshot"], prereg)
+    assert not report.tables and not report.figures  # nothing without per-step outcomes
+    add_to_report(report, outcomes, prereg)
+    assert "perstep[quant:4]/poisson step(fresh)" in "".join(report.tables.values())
+    assert "C3:" in report.tables["per-step designs in the loop: C2, C3, C6"]
+    assert "accuracy_vs_bytes" in report.figures
