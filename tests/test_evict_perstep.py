@@ -25,7 +25,8 @@ def _policy(design, budget, proxy="exact", schedule="step"):
 
 @pytest.mark.parametrize(("proxy", "design", "schedule"), [
     ("exact", "poisson", "step"), ("quant:4", "topk", "step"), ("pages:16", "topk", "step"),
-    ("quant:4", "bernoulli", "step"), ("quant:4", "poisson", "step:permanent")])
+    ("quant:4", "bernoulli", "step"), ("quant:4", "poisson", "step:permanent"),
+    ("simhash:10,150", "poisson", "step"), ("lowrank:8", "topk", "step")])
 def test_full_budget_gives_the_full_cache_tokens(tiny_store, proxy, design, schedule):
     path, loaded = tiny_store
     store = open_store(path)
@@ -36,7 +37,7 @@ def test_full_budget_gives_the_full_cache_tokens(tiny_store, proxy, design, sche
         n = len(meta["generated_ids"])
         res = decode_policy(loaded.model, pre, {}, n, set(), policy, 3)
         assert res.generated_ids == list(meta["generated_ids"])
-        assert res.step_positions == list(range(P, P + n - 1))
+        assert res.step_positions == list(range(P, P + n - 1)) and res.history == []
         for t, kept in zip(res.step_positions, res.step_kept, strict=True):
             assert (kept == t).all()  # every token of [0, t) is read at every step
 

@@ -108,6 +108,8 @@ class PerStepState(EvictionState):
         super().__init__(prefill.prompt_length, {}, prefill.grams, one_pass=one_pass)
         # Later steps' traces hold the decode queries generated under the design.
         self.record_from = prefill.prompt_length
+        # No event after prefill; the per-step log below replaces the events' history.
+        self.history = []
         self.prefill = prefill
         self.policy = policy
         self.seed = int(seed)
