@@ -115,5 +115,7 @@ class Peer:
         return None
 
     def step(self, x: StepInput, state: object, seed: int, z: float) -> dict:
-        """The peer's estimate at one step: a dict of result columns (see ``PEER_COLUMNS``)."""
+        """The peer's estimate at one step: a dict of result columns (see ``PEER_COLUMNS``),
+        plus ``estimate`` (its own output, shape (d,)) and ``kept`` (bool, shape (t + 1,): the
+        tokens it attends), which the in-loop run reads (``capture.inloop.peers``)."""
         raise NotImplementedError

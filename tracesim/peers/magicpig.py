@@ -120,5 +120,5 @@ class MagicPIG(Peer):
         kept[lo:hi] = used
         row = hajek_row(x, pi, kept, z)
         row.update(kept_tokens=int(kept.sum()), sampled=int(used.sum()),
-                   expected_sampled=float(u.sum()), peer_bound_ok=float("nan"))
+                   expected_sampled=float(u.sum()), peer_bound_ok=float("nan"), kept=kept)
         return row

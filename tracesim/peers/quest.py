@@ -70,5 +70,5 @@ class Quest(Peer):
             kept[p * self.page:(p + 1) * self.page] = True
         row = hajek_row(x, np.ones(n), kept, z, correction=False)
         row.update(kept_tokens=int(kept.sum()), sampled=0, expected_sampled=0.0,
-                   peer_bound_ok=float("nan"))
+                   peer_bound_ok=float("nan"), kept=kept)
         return row

@@ -125,7 +125,7 @@ class VAttention(Peer):
             kept = np.ones(n, dtype=bool)
             row = hajek_row(x, np.ones(n), kept, z)
             row.update(kept_tokens=n, sampled=0, expected_sampled=0.0, budget_b=0,
-                       peer_bound_ok=1.0, peer_den_ok=1.0)
+                       peer_bound_ok=1.0, peer_den_ok=1.0, kept=kept)
             return row
         n_base = max(2, int(self.base_rate * R))
         ub = peer_uniforms(seed, x.layer, x.head, x.step, PURPOSE_VATT_BASE, n_base)
@@ -153,4 +153,5 @@ class VAttention(Peer):
                 "sampled": int(sampled.sum()), "expected_sampled": float(pi[start:end][
                     ~det[start:end]].sum()), "budget_b": b,
                 "peer_bound_ok": float(np.sqrt(own["err2"]) <= self.epsilon * truth_norm),
-                "peer_den_ok": float(abs(d_b - D) <= self.epsilon * D)}
+                "peer_den_ok": float(abs(d_b - D) <= self.epsilon * D),
+                "estimate": own["estimate"], "kept": kept}  # vAttention's own estimate
