@@ -41,7 +41,7 @@ def test_first_step_output_is_the_peers_estimate_on_the_stored_query(monkeypatch
     for h in range(trace.n_heads):
         x = step_inputs(trace, h, qi)
         state = peer.prepare(0, x.kv_head, trace.keys[x.kv_head], P, 2)
-        want = peer.step(x, state, 2, z)["estimate"]
+        want = peer.attend(x, state, 2, z)[1]
         np.testing.assert_allclose(first[0][h], want, atol=2e-5)
     union = res.step_kept[0]
     assert union.shape == (store.model.n_layers, store.model.n_kv_heads, P)

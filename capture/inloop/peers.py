@@ -7,10 +7,11 @@ it does not fit the per-KV-head bias plus Hájek offset of
 :class:`capture.inloop.enforce.EvictionState`. :class:`PeerState` therefore computes each
 decode step's attention output itself: for every query head it builds the
 :class:`tracesim.peers.StepInput` of that step (float64, the cache ``[0, t]`` with the current
-token) and returns the peer's own ``step(...)["estimate"]`` — the very code ``tracesim peers``
-replays, now on the queries generated under the peer. The prefill attends to the full cache;
-per-(layer, KV head) state (MagicPIG's hash codes of the prefill range) is built at the first
-decode step from the prefill keys, which are those of the full-cache run.
+token) and returns the peer's own estimate (:meth:`tracesim.peers.Peer.attend`): the very
+code ``tracesim peers`` replays, now on the queries generated under the peer. The prefill
+attends to the full cache; per-(layer, KV head) state (MagicPIG's hash codes of the prefill
+range) is built at the first decode step from the prefill keys, which are those of the
+full-cache run.
 
 Outcome rows carry ``score = "peer"``, ``design`` the peer's name and ``config_id`` its label;
 the step cost columns count, per KV head, the union of the tokens of ``[0, t)`` its query heads
@@ -161,9 +162,8 @@ class PeerState(CaptureState):
                           prompt_length=self.prompt_length, query=q[h], keys=keys[g],
                           values=values[g], scale=float(scaling), logits=s,
                           truth=(w @ values[g]) / w.sum())
-            r = self.peer.step(x, state, self.seed, self.z)
-            out[h] = r["estimate"]
-            self.step_kept[-1][layer, h] = r["kept"][:t]
+            _, out[h], kept = self.peer.attend(x, state, self.seed, self.z)
+            self.step_kept[-1][layer, h] = kept[:t]
         return torch.from_numpy(out).to(device=query.device, dtype=query.dtype)[None, None]
 
 

@@ -63,12 +63,12 @@ class Quest(Peer):
         k = min(max(3, tokens // self.page), bounds.size)
         return np.sort(np.argsort(-bounds, kind="stable")[:k])
 
-    def step(self, x: StepInput, state, seed: int, z: float) -> dict:
+    def attend(self, x: StepInput, state, seed: int, z: float):
         n = x.step + 1
         kept = np.zeros(n, dtype=bool)
         for p in self.selected_pages(x):
             kept[p * self.page:(p + 1) * self.page] = True
         row = hajek_row(x, np.ones(n), kept, z, correction=False)
         row.update(kept_tokens=int(kept.sum()), sampled=0, expected_sampled=0.0,
-                   peer_bound_ok=float("nan"), kept=kept)
-        return row
+                   peer_bound_ok=float("nan"))
+        return row, row["estimate"], kept
