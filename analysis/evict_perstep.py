@@ -206,16 +206,21 @@ def accuracy_bytes_figure(table: pd.DataFrame) -> tuple[bytes, str] | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for kind, marker in (("full", "s"), ("snapkv", "D"), ("perstep", "o")):
+    for kind, marker in (("full", "s"), ("snapkv", "D"), ("perstep", "o"), ("peer", "^")):
         g = t[t["score"] == kind]
-        ax.scatter(g["step_kib"], g["accuracy"], marker=marker, label=kind, alpha=0.85)
-        for _, r in g.iterrows():
-            ax.annotate(r["label"].replace("perstep", "ps"), (r["step_kib"], r["accuracy"]),
-                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+        if not g.empty:
+            ax.scatter(g["step_kib"], g["accuracy"], marker=marker, label=kind, alpha=0.85)
+    # Configurations at (nearly) the same point share one stacked annotation.
+    spot = pd.DataFrame({"x": np.round(np.log10(t["step_kib"]), 1), "y": t["accuracy"],
+                         "label": t["label"].str.replace("perstep", "ps"),
+                         "kib": t["step_kib"]})
+    for (_, y), g in spot.groupby(["x", "y"]):
+        ax.annotate("\n".join(g["label"]), (float(g["kib"].iloc[0]), float(y)), fontsize=6,
+                    xytext=(4, -2), textcoords="offset points", va="top")
     ax.set_xscale("log")
     ax.set_xlabel("bytes attention reads per decode step (KiB, all layers and KV heads)")
     ax.set_ylabel("accuracy (share correct)")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylim(-0.12, 1.02)  # room for the labels of points at 0
     ax.legend(fontsize=7)
     n = int(t["sequences"].max())
     caption = (f"In-loop accuracy against the bytes attention reads per decode step ({n} "
