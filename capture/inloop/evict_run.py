@@ -312,9 +312,11 @@ def _command(args: argparse.Namespace) -> int:
     fetch = _fetch_configs(args)
     if fetch:
         _check_fetch(policies, fetch)
-    from capture.inloop.peers import peers_from_cli
+    peers = None
+    if args.peer is not None or args.peer_params != "{}":
+        from capture.inloop.peers import peers_from_cli
 
-    peers = peers_from_cli(args.peer, args.peer_params)
+        peers = peers_from_cli(args.peer, args.peer_params)
     summary = run_evict(args.traces, policies, seeds=seeds, out=args.out, model=args.model,
                         max_new_tokens=args.max_new_tokens, device=args.device,
                         layer_certificate=not args.no_layer_certificate, fetch=fetch,
