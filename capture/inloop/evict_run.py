@@ -408,7 +408,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--peer", default=None, metavar="NAMES",
                    help="comma-separated peers run in the loop besides the grid, each with its "
                    "own estimator at every decode step: magicpig, vattention, quest "
-                   "(docs/evict.md, docs/peers.md)")
+                   "(default: none; docs/evict.md, docs/peers.md)")
     p.add_argument("--peer-params", default="{}", metavar="JSON",
-                   help="peer parameters, e.g. '{\"quest\": {\"budget\": 0.25}}'")
+                   help="peer parameters, e.g. '{\"quest\": {\"budget\": 0.25}}' (with --peer)")
     p.set_defaults(func=_command)
