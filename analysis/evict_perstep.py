@@ -66,9 +66,10 @@ def _proxy(row: pd.Series) -> str:
 
 
 def configuration_label(row: pd.Series) -> str:
-    """``full``, ``snapkv/topk``, ``perstep[quant:4]/poisson step(fresh)``, ... of one row."""
-    if row["score"] == "full":
-        return "full"
+    """``full``, ``snapkv/topk``, ``perstep[quant:4]/poisson step(fresh)``, a peer's label
+    (``quest(page=16,budget=0.25)``), ... of one row."""
+    if row["score"] in ("full", "peer"):
+        return str(row["config_id"])  # a peer's label names it and its parameters
     label = f"{row['score']}/{row['design']}"
     if row["score"] == "perstep":
         label = f"perstep[{_proxy(row)}]/{row['design']}"
