@@ -180,9 +180,6 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
             cols["kept_fraction"] = ("kept_fraction", "mean")
         acc = out_df.groupby(["score", "design", "correction", "budget"], dropna=False).agg(**cols)
         report.tables["end-to-end accuracy"] = acc.round(3).to_string()
-        from analysis.evict_perstep import add_to_report
-
-        add_to_report(report, out_df, prereg)
     else:
         for cid in ("C3", "C4", "C6"):
             claims[cid] = ClaimResult(cid, prereg.claims[cid]["hypothesis"],
