@@ -200,12 +200,16 @@ def per_step_claims(outcomes: pd.DataFrame, prereg) -> dict:
 
 def accuracy_bytes_figure(table: pd.DataFrame) -> tuple[bytes, str] | None:
     """Accuracy against bytes attention reads per decode step, one point per configuration."""
-    from analysis.figures import _plt, _png
+    import io
+
+    import matplotlib
 
     t = table[np.isfinite(table["step_kib"])]
     if t.empty:
         return None
-    plt = _plt()
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for kind, marker in (("full", "s"), ("snapkv", "D"), ("perstep", "o"), ("peer", "^")):
         g = t[t["score"] == kind]
@@ -228,7 +232,10 @@ def accuracy_bytes_figure(table: pd.DataFrame) -> tuple[bytes, str] | None:
                "sequences; mean over sequences of each sequence's share correct over seeds). "
                "Bytes: attended tokens x token bytes, plus the proxy's summary for per-step "
                "designs (the tiers memory model, docs/columns.md).")
-    return _png(fig), caption
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue(), caption
 
 
 #: Columns of the report's table.
