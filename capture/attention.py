@@ -17,9 +17,10 @@ kept in a module-level global, so runs cannot leak into each other.
 Enforcement extension points: :attr:`CaptureState.bias_fn` may return an additive fp32 bias per KV
 head, ``(n_kv_heads, q_len, kv_len)`` (``-inf`` for evicted keys, ``-log pi`` for sampled tail
 keys); it is broadcast over each GQA group and added to the causal mask before SDPA. A subclass
-may also override :meth:`CaptureState.attend` to compute a call's output itself (the one-pass
-certified decode attention does). Recording then sees the enforced outputs. No eviction policy
-lives here.
+may re-plan a layer from the call's own query in :meth:`CaptureState.before_attention` (called
+before the bias is asked for), and may also override :meth:`CaptureState.attend` to compute a
+call's output itself (the one-pass certified decode attention does). Recording then sees the
+enforced outputs. No eviction policy lives here.
 """
 
 from __future__ import annotations
@@ -157,6 +158,20 @@ class CaptureState:
     def bias(self, layer: int, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         """The enforcement bias for this call, ``(n_kv_heads, q_len, kv_len)``, or None."""
         return None if self.bias_fn is None else self.bias_fn(layer, positions, kv_len)
+
+    def before_attention(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """Called first in every attention call of ``layer``, with the call's query and cache.
+
+        The default does nothing; a per-step design re-plans the layer here from the step's
+        own query (:class:`capture.inloop.perstep.PerStepState`), before :meth:`bias` and
+        :meth:`attend` read the plan. Shapes as in :meth:`record`.
+        """
 
     def attend(
         self,
@@ -328,6 +343,7 @@ def capture_attention_forward(
     layer = int(module.layer_idx)
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = attention_mask
+    state.before_attention(layer, query, key, value)
     bias = state.bias(layer, torch.arange(kv_len - q_len, kv_len), kv_len)
     if bias is not None:
         group = query.shape[1] // key.shape[1]

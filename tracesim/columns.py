@@ -107,6 +107,17 @@ COLUMN_DOCS: dict[str, str] = {
     "memory_tokens": "kept prompt tokens summed over layers and KV heads",
     "full_memory_tokens": "prompt tokens summed over layers and KV heads (full cache)",
     "decode_seconds": "wall time of the decode (s)",
+    # evict outcomes: per decode step costs (capture.inloop.perstep.step_columns), means over
+    # the run's decode steps, summed over layers and KV heads unless noted
+    "step_tokens_mean": "tokens of [0, t) a decode step attends, per (layer, KV head)",
+    "step_tokens_fraction": "step_tokens_mean / t, mean over steps, layers and KV heads",
+    "step_rows_read": "rows a per-step design reads from the lower tier per step "
+                      "(attended tokens less sinks and window; 0 for resident kept sets)",
+    "step_bytes": "bytes attention reads per step: attended tokens x token bytes, plus the "
+                  "proxy's summary of the cached tokens for a per-step design",
+    "step_link_bytes": "step_rows_read x token bytes: bytes over the link per step",
+    "step_us": "modelled time of a step's lower-tier reads on the first lower tier of the "
+               "tiers memory model (us; rows scattered, one transfer each, layer by layer)",
     # evict outcomes with in-loop fetches (tracesim evict --fetch); null without fetching
     "fetch_scheduler": "fetch scheduler enforced in the loop (none, random, certificate, "
                        "certificate_page, certificate_bound, bound, oracle); null without "

@@ -106,8 +106,11 @@ def _plan(pi: np.ndarray, kept: np.ndarray, policy: Policy) -> LayerPlan:
 
 def layer_plans(traces: list[LayerTrace], policy: Policy, seed: int) -> dict[int, LayerPlan]:
     """Kept sets of every layer after the first event (compression right after prefill),
-    exactly as the simulator draws them."""
-    plans = {}
+    exactly as the simulator draws them; none for a per-step design (its first event is the
+    first decode step)."""
+    plans: dict[int, LayerPlan] = {}
+    if policy.schedule.per_step:
+        return plans  # drawn at every decode step (capture.inloop.perstep), none after prefill
     n_layers = len(traces)
     for trace in traces:
         pi, kept = first_event_inclusion(trace, policy, int(seed), n_layers,
@@ -158,22 +161,29 @@ class DecodeResult:
     logprobs: list[float]
     stopped_on_eos: bool
     certificates: list[dict[int, tuple[np.ndarray, float]]]
-    kept_tokens: np.ndarray  # (n_layers, n_kv) kept prompt tokens
+    kept_tokens: np.ndarray  # (n_layers, n_kv) kept prompt tokens (per step: mean over steps)
     history: list[tuple[int, dict[int, LayerPlan]]] = field(default_factory=list)
     # (step, layer, tracesim.tiers.step.StepFetch) of an in-loop fetch run
     fetch_log: list[tuple[int, int, Any]] = field(default_factory=list)
+    # per-step designs: query position of every decode step, and (n_layers, n_kv) tokens of
+    # [0, t) attended at it (capture.inloop.perstep.PerStepState)
+    step_positions: list[int] = field(default_factory=list)
+    step_kept: list[np.ndarray] = field(default_factory=list)
 
 
 @torch.inference_mode()
 def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
                   max_new_tokens: int, eos_ids: set[int], policy: Policy | None = None,
-                  seed: int = 0, fetch: Any = None) -> DecodeResult:
+                  seed: int = 0, fetch: Any = None, one_pass: bool = True) -> DecodeResult:
     """Greedy decode under ``plans`` from the prefill cache, then crop the cache back.
 
     With a decode-time ``policy`` (``schedule="decode:K"``) every layer is re-planned at each
     event from what exists then, with the nested rule (``kept while u < min pi``). With a
     :class:`capture.inloop.fetch.FetchConfig` (one-shot plans only) every decode step and layer also
-    fetches evicted pages by that scheduler (:class:`capture.inloop.fetch.FetchState`).
+    fetches evicted pages by that scheduler (:class:`capture.inloop.fetch.FetchState`). A
+    per-step ``policy`` (``schedule="step"``) draws every layer's kept set at every decode step
+    from that step's query (:class:`capture.inloop.perstep.PerStepState`; ``plans`` is then
+    empty). ``one_pass=False`` runs SDPA and the two-pass certificates (the reference path).
     """
     P = prefill.prompt_length
     events: set[int] = set()
@@ -193,7 +203,14 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
                 out[layer] = _plan(pi, kept, policy)
             return out
 
-    if fetch is not None:
+    per_step = policy is not None and policy.schedule.per_step
+    if per_step:
+        from capture.inloop import perstep
+
+        if fetch is not None:
+            raise ValueError("fetch: in-loop fetches need one-shot eviction (schedule: oneshot)")
+        state = perstep.PerStepState(prefill, policy, seed, one_pass=one_pass)
+    elif fetch is not None:
         from capture.inloop.fetch import FetchState
 
         if replan is not None:
@@ -201,7 +218,8 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
         state = FetchState(P, plans, prefill.grams, fetch=fetch, seed=seed,
                            n_layers=len(prefill.traces))
     else:
-        state = EvictionState(P, plans, prefill.grams, event_times=events, replan=replan)
+        state = EvictionState(P, plans, prefill.grams, event_times=events, replan=replan,
+                              one_pass=one_pass)
     try:
         with recording(model, state):
             generated, logprobs = decode_greedy(model, prefill.cache, prefill.logits, P,
@@ -210,10 +228,16 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
     finally:
         _restore(prefill.cache, P)
     plans = state.plans
-    kept = (np.stack([plans[layer].kept[:, :P].sum(dim=1).numpy() for layer in sorted(plans)])
-            if plans else np.full((1, 1), P))
+    if per_step and state.step_kept:
+        # tokens of the prompt a step reads, mean over the decode steps
+        kept = np.mean(state.prompt_kept, axis=0)
+    else:
+        kept = (np.stack([plans[layer].kept[:, :P].sum(dim=1).numpy() for layer in sorted(plans)])
+                if plans else np.full((1, 1), P))
     return DecodeResult(generated, logprobs, bool(generated[-1] in eos_ids), state.certificates,
-                        kept, state.history, list(getattr(state, "fetch_log", [])))
+                        kept, state.history, list(getattr(state, "fetch_log", [])),
+                        list(getattr(state, "step_positions", [])),
+                        list(getattr(state, "step_kept", [])))
 
 
 def _restore(cache: Any, length: int) -> None:
@@ -233,8 +257,11 @@ def failure_label(correct: bool, full_correct: bool) -> str:
 
 
 def outcome_row(meta: dict[str, Any], policy: Policy, seed: int, result: DecodeResult,
-                tokenizer: Any, n_layers: int) -> dict[str, Any]:
-    """One outcomes row: answer, correctness, log-probs, certificate aggregates, memory."""
+                tokenizer: Any, n_layers: int, *, n_kv: int | None = None,
+                head_dim: int | None = None, memory: Any = None) -> dict[str, Any]:
+    """One outcomes row: answer, correctness, log-probs, certificate aggregates, memory; with
+    ``n_kv`` and ``head_dim`` also the per-step costs
+    (:func:`capture.inloop.perstep.step_columns`, ``memory`` a tiers memory model)."""
     gen = result.generated_ids
     answer_ids = gen[:-1] if result.stopped_on_eos else gen
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True) if tokenizer else ""
@@ -249,6 +276,11 @@ def outcome_row(meta: dict[str, Any], policy: Policy, seed: int, result: DecodeR
     by_layer = (np.sqrt(certs).mean(axis=(0, 2)).tolist() if certs.size else [])
     P = int(meta["prompt_length"])
     kept = result.kept_tokens
+    steps = {}
+    if n_kv is not None and head_dim is not None:
+        from capture.inloop.perstep import step_columns
+
+        steps = step_columns(policy, result, P, n_layers, int(n_kv), int(head_dim), memory)
     return {
         **policy.row(),
         "sequence_id": meta["sequence_id"], "task": meta["task"], "seed": int(seed),
@@ -269,6 +301,7 @@ def outcome_row(meta: dict[str, Any], policy: Policy, seed: int, result: DecodeR
         "prompt_length": P,
         "kept_tokens_mean": float(kept.mean()),
         "kept_fraction": float(kept.mean() / P),
-        "memory_tokens": int(kept.sum()),
+        "memory_tokens": int(round(float(kept.sum()))),
         "full_memory_tokens": int(P * kept.size),
+        **steps,
     }

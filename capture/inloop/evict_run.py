@@ -49,7 +49,7 @@ def _write_atomic(table: Any, path: Path) -> None:
 
 def run_key(policies: Sequence[Any], seeds: Sequence[int], *, model_id: str, store: Any,
             max_new_tokens: int | None, layer_certificate: bool,
-            fetch: Sequence[Any] | None = None) -> str:
+            fetch: Sequence[Any] | None = None, peers: Sequence[Any] | None = None) -> str:
     """Digest of everything that determines the outcome rows (the resume key of a run)."""
     doc: dict[str, Any] = {"policies": [p.id for p in policies], "seeds": [int(s) for s in seeds],
            "model_id": model_id, "store_model": store.model.to_dict(),
@@ -58,6 +58,8 @@ def run_key(policies: Sequence[Any], seeds: Sequence[int], *, model_id: str, sto
                store.manifest.column("checksum").to_pylist()).encode()).hexdigest()}
     if fetch:  # runs without fetches keep their earlier keys
         doc["fetch"] = [{**f.row(), "memory": f.memory.to_dict()} for f in fetch]
+    if peers:  # likewise runs without peers
+        doc["peers"] = [p.label() for p in peers]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -74,6 +76,7 @@ def run_evict(
     progress: bool = True,
     device: str = "cpu",
     fetch: Sequence[Any] | None = None,
+    peers: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
     """Run every policy and seed in the loop over a store's sequences; return the summary.
 
@@ -100,6 +103,9 @@ def run_evict(
         policy and seed runs once per configuration, fetching evicted pages at every decode
         step and layer (docs/tiers.md, "In the loop"); policies that evict nothing run once,
         with null fetch columns. Needs one-shot policies.
+    peers : sequence of tracesim.peers.Peer, optional
+        Peers run in the loop besides the policies, each with its own estimator at every
+        decode step (:mod:`capture.inloop.peers`); randomized ones once per seed.
     """
     import pyarrow.parquet as pq
 
@@ -142,7 +148,7 @@ def run_evict(
     try:
         key = run_key(policies, seed_list, model_id=loaded.model_id, store=store,
                       max_new_tokens=max_new_tokens, layer_certificate=layer_certificate,
-                      fetch=fetch)
+                      fetch=fetch, peers=peers)
         parts = out / "parts" / key
         parts.mkdir(parents=True, exist_ok=True)
         # The lock is held: temporary files here belong to killed runs on this directory.
@@ -150,7 +156,7 @@ def run_evict(
         remove_stale_tmp(out / "parts", recursive=True)
         table, summary = _run_locked(store, store_path, loaded, policies, seed_list, ids, out,
                                      parts, key, max_new_tokens, layer_certificate, progress,
-                                     fetch)
+                                     fetch, peers)
         # The outcomes and the summary that signs them (rows, sha256, configurations) are one
         # unit: the report refuses outcomes that do not match their summary.
         with atomic_files(out, ["outcomes.parquet", "summary.json"]) as stage:
@@ -176,7 +182,8 @@ def _check_fetch(policies: Sequence[Any], fetch: Sequence[Any]) -> None:
 
 
 def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts, key,
-                max_new_tokens, layer_certificate, progress, fetch=None) -> dict[str, Any]:
+                max_new_tokens, layer_certificate, progress, fetch=None, peers=None
+                ) -> dict[str, Any]:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -189,6 +196,11 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
     eos = set(eos_token_ids(loaded))
     runs = [(p, s, f) for p in policies for s in (seed_list if p.needs_seeds else [-1])
             for f in (fetch if fetch and p.score.evicts else [None])]
+    if peers:
+        from capture.inloop.peers import PeerConfig
+
+        runs += [(PeerConfig(q), s, None) for q in peers
+                 for s in (seed_list if q.randomized else [-1])]
     start = time.time()
     done = skipped = 0
     bar = tqdm(total=len(ids) * len(runs), desc="evict", unit="run", disable=not progress)
@@ -216,11 +228,20 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
         budget = max_new_tokens or len(meta["generated_ids"])
         rows = []
         for policy, seed, fc in runs:
-            plans = layer_plans(pre.traces, policy, max(seed, 0))
             t0 = time.perf_counter()
-            res = decode_policy(loaded.model, pre, plans, budget, eos, policy, max(seed, 0),
-                                fetch=fc)
-            row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers)
+            if hasattr(policy, "peer"):  # a peer, with its own estimator (capture.inloop.peers)
+                from capture.inloop.peers import decode_peer, peer_step_columns
+
+                res = decode_peer(loaded.model, pre, policy.peer, budget, eos, max(seed, 0))
+                row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers)
+                row.update(peer_step_columns(policy.peer, res, P, store.model.head_dim))
+            else:
+                plans = layer_plans(pre.traces, policy, max(seed, 0))
+                res = decode_policy(loaded.model, pre, plans, budget, eos, policy,
+                                    max(seed, 0), fetch=fc)
+                row = outcome_row(meta, policy, seed, res, loaded.tokenizer,
+                                  store.model.n_layers, n_kv=store.model.n_kv_heads,
+                                  head_dim=store.model.head_dim)
             if fetch:
                 from capture.inloop.fetch import fetch_columns
 
@@ -237,7 +258,8 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
     summary = {
         "store": str(store_path), "model_id": loaded.model_id, "n_sequences": len(ids),
         "sequences_written": done, "sequences_skipped": skipped, "n_rows": table.num_rows,
-        "policies": [p.id for p in policies], "seeds": seed_list, "run_key": key,
+        "policies": [p.id for p in policies] + [p.label() for p in peers or []],
+        "seeds": seed_list, "run_key": key,
         "wall_seconds": time.time() - start,
     }
     prereg = prereg_record(None, str(store_path))
@@ -296,9 +318,15 @@ def _command(args: argparse.Namespace) -> int:
     fetch = _fetch_configs(args)
     if fetch:
         _check_fetch(policies, fetch)
+    peers = None
+    if args.peer is not None or args.peer_params != "{}":
+        from capture.inloop.peers import peers_from_cli
+
+        peers = peers_from_cli(args.peer, args.peer_params)
     summary = run_evict(args.traces, policies, seeds=seeds, out=args.out, model=args.model,
                         max_new_tokens=args.max_new_tokens, device=args.device,
-                        layer_certificate=not args.no_layer_certificate, fetch=fetch)
+                        layer_certificate=not args.no_layer_certificate, fetch=fetch,
+                        peers=peers)
     _print_summary(summary)
     return 0
 
@@ -383,4 +411,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tiers-spec", default=None, metavar="YAML",
                    help="tiers spec whose 'memory' section (page, bytes_per_element, tiers) "
                    "the fetches use (default: the documented defaults; with --fetch)")
+    p.add_argument("--peer", default=None, metavar="NAMES",
+                   help="comma-separated peers run in the loop besides the grid, each with its "
+                   "own estimator at every decode step: magicpig, vattention, quest "
+                   "(default: none; docs/evict.md, docs/peers.md)")
+    p.add_argument("--peer-params", default="{}", metavar="JSON",
+                   help="peer parameters, e.g. '{\"quest\": {\"budget\": 0.25}}' (with --peer)")
     p.set_defaults(func=_command)

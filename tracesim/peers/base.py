@@ -116,4 +116,11 @@ class Peer:
 
     def step(self, x: StepInput, state: object, seed: int, z: float) -> dict:
         """The peer's estimate at one step: a dict of result columns (see ``PEER_COLUMNS``)."""
+        return self.attend(x, state, seed, z)[0]
+
+    def attend(self, x: StepInput, state: object, seed: int, z: float
+               ) -> tuple[dict, np.ndarray, np.ndarray]:
+        """:meth:`step`'s row, the peer's own attention output (shape (d,)) and the tokens it
+        attends (bool, shape (t + 1,)): what the in-loop run enforces
+        (``capture.inloop.peers``)."""
         raise NotImplementedError

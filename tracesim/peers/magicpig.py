@@ -105,7 +105,7 @@ class MagicPIG(Peer):
         compared table by table, not packed into an integer (which overflows past 63 bits)."""
         return (proj > 0).reshape(proj.shape[0], self.tables, self.bits)
 
-    def step(self, x: StepInput, state, seed: int, z: float) -> dict:
+    def attend(self, x: StepInput, state, seed: int, z: float):
         lo, hi, mu, W, codes, knorm = state
         n = x.step + 1
         qcode = self._codes((x.query @ W)[None])[0]
@@ -121,4 +121,4 @@ class MagicPIG(Peer):
         row = hajek_row(x, pi, kept, z)
         row.update(kept_tokens=int(kept.sum()), sampled=int(used.sum()),
                    expected_sampled=float(u.sum()), peer_bound_ok=float("nan"))
-        return row
+        return row, row["estimate"], kept

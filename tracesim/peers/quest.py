@@ -63,7 +63,7 @@ class Quest(Peer):
         k = min(max(3, tokens // self.page), bounds.size)
         return np.sort(np.argsort(-bounds, kind="stable")[:k])
 
-    def step(self, x: StepInput, state, seed: int, z: float) -> dict:
+    def attend(self, x: StepInput, state, seed: int, z: float):
         n = x.step + 1
         kept = np.zeros(n, dtype=bool)
         for p in self.selected_pages(x):
@@ -71,4 +71,4 @@ class Quest(Peer):
         row = hajek_row(x, np.ones(n), kept, z, correction=False)
         row.update(kept_tokens=int(kept.sum()), sampled=0, expected_sampled=0.0,
                    peer_bound_ok=float("nan"))
-        return row
+        return row, row["estimate"], kept

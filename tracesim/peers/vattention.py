@@ -114,7 +114,7 @@ class VAttention(Peer):
             det[rest[order]] = True
         return det
 
-    def step(self, x: StepInput, state, seed: int, z: float) -> dict:
+    def attend(self, x: StepInput, state, seed: int, z: float):
         n = x.step + 1
         det = self.deterministic(x)
         start, end = self.sinks, n - self.local
@@ -126,7 +126,7 @@ class VAttention(Peer):
             row = hajek_row(x, np.ones(n), kept, z)
             row.update(kept_tokens=n, sampled=0, expected_sampled=0.0, budget_b=0,
                        peer_bound_ok=1.0, peer_den_ok=1.0)
-            return row
+            return row, row["estimate"], kept
         n_base = max(2, int(self.base_rate * R))
         ub = peer_uniforms(seed, x.layer, x.head, x.step, PURPOSE_VATT_BASE, n_base)
         base = start + np.minimum((ub * R).astype(np.int64), R - 1)
@@ -147,10 +147,11 @@ class VAttention(Peer):
         ours = hajek_row(x, pi, kept, z)
         truth_norm = float(np.linalg.norm(x.truth))
         d_b = float((e * np.where(sampled, R / b, np.where(det, 1.0, 0.0))).sum())
-        return {"err2": own["err2"], "cert2": ours["cert2"], "wald_cov": ours["wald_cov"],
-                "hajek_err2": ours["err2"], "tail_size": ours["tail_size"],
-                "n_eff": ours["n_eff"], "kept_tokens": int(kept.sum()),
-                "sampled": int(sampled.sum()), "expected_sampled": float(pi[start:end][
-                    ~det[start:end]].sum()), "budget_b": b,
-                "peer_bound_ok": float(np.sqrt(own["err2"]) <= self.epsilon * truth_norm),
-                "peer_den_ok": float(abs(d_b - D) <= self.epsilon * D)}
+        row = {"err2": own["err2"], "cert2": ours["cert2"], "wald_cov": ours["wald_cov"],
+              "hajek_err2": ours["err2"], "tail_size": ours["tail_size"],
+              "n_eff": ours["n_eff"], "kept_tokens": int(kept.sum()),
+              "sampled": int(sampled.sum()), "expected_sampled": float(pi[start:end][
+                  ~det[start:end]].sum()), "budget_b": b,
+              "peer_bound_ok": float(np.sqrt(own["err2"]) <= self.epsilon * truth_norm),
+              "peer_den_ok": float(abs(d_b - D) <= self.epsilon * D)}
+        return row, own["estimate"], kept  # vAttention's own estimate
