@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.multiplicity import holm
+from analysis.plotting import png_bytes, pyplot
 from tracesim.safeio import loads_json
 
 __all__ = ["REPORT_COLUMNS", "accuracy_bytes_figure", "add_to_report", "configuration_label",
@@ -200,16 +201,10 @@ def per_step_claims(outcomes: pd.DataFrame, prereg) -> dict:
 
 def accuracy_bytes_figure(table: pd.DataFrame) -> tuple[bytes, str] | None:
     """Accuracy against bytes attention reads per decode step, one point per configuration."""
-    import io
-
-    import matplotlib
-
     t = table[np.isfinite(table["step_kib"])]
     if t.empty:
         return None
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for kind, marker in (("full", "s"), ("snapkv", "D"), ("perstep", "o"), ("peer", "^")):
         g = t[t["score"] == kind]
@@ -232,10 +227,7 @@ def accuracy_bytes_figure(table: pd.DataFrame) -> tuple[bytes, str] | None:
                "sequences; mean over sequences of each sequence's share correct over seeds). "
                "Bytes: attended tokens x token bytes, plus the proxy's summary for per-step "
                "designs (the tiers memory model, docs/columns.md).")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return buf.getvalue(), caption
+    return png_bytes(fig), caption
 
 
 #: Columns of the report's table.

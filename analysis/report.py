@@ -29,6 +29,7 @@ from analysis import report_figures as rfig
 from analysis.adaptive import adaptive_table
 from analysis.claim_registry import claims_table, registered_claims
 from analysis.claims import INCONCLUSIVE, INPUT_MISSING, SUPPORTED, ClaimInputs, ClaimResult
+from analysis.evict_perstep import add_to_report as add_perstep_outcomes
 from analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch_outcomes
 from analysis.multiplicity import holm
 from analysis.prereg import Preregistration, check_prereg_hash, load_prereg
@@ -200,7 +201,8 @@ def _add_replay_parts(report: Report, inputs: ClaimInputs, claims: dict[str, Cla
 
 
 def _add_outcome_parts(report: Report, inputs: ClaimInputs) -> None:
-    """The figures and the accuracy table of the in-loop outcomes (C4 and C6's ROC curves)."""
+    """The figures and the accuracy table of the in-loop outcomes (C4 and C6's ROC curves), and
+    the per-step designs' outcome table, C2/C3/C6 and accuracy-bytes figure when there are any."""
     out_df = inputs.outcomes
     roc4, roc6 = inputs.artifacts.get("C4 roc", {}), inputs.artifacts.get("C6 roc", {})
     if roc4 or roc6:
@@ -212,6 +214,7 @@ def _add_outcome_parts(report: Report, inputs: ClaimInputs) -> None:
         cols["kept_fraction"] = ("kept_fraction", "mean")
     acc = out_df.groupby(["score", "design", "correction", "budget"], dropna=False).agg(**cols)
     report.tables["end-to-end accuracy"] = acc.round(3).to_string()
+    add_perstep_outcomes(report, out_df, inputs.prereg)
 
 
 def _add_frontier(report: Report, fdir: Path) -> None:

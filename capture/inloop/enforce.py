@@ -36,6 +36,7 @@ from capture.inloop.onepass import (
     onepass_attention,
     pair_quadratic_forms,
 )
+from tracesim.policies import Policy
 
 __all__ = ["EvictionState", "LayerPlan", "serving_certificates"]
 
@@ -62,6 +63,15 @@ class LayerPlan:
     hajek: bool
     certified: bool
     fixed_size: bool = False
+
+    @classmethod
+    def for_policy(cls, pi: np.ndarray, kept: np.ndarray, policy: Policy) -> LayerPlan:
+        """The plan of ``policy`` from the replay's ``pi`` and kept mask (numpy arrays of shape
+        ``(n_kv_heads, P)``): the Hájek offset, certification and the fixed-size variance
+        follow the policy."""
+        return cls(pi=torch.from_numpy(pi), kept=torch.from_numpy(np.asarray(kept, bool)),
+                   hajek=policy.correction == "hajek", certified=policy.certified,
+                   fixed_size=policy.design is not None and policy.design.variance == "fixed")
     bias: torch.Tensor = field(init=False)
     tail_index: torch.Tensor = field(init=False)
     tail_weight: torch.Tensor = field(init=False)

@@ -25,8 +25,9 @@ import torch
 
 from capture.attention import CaptureState, attention_modules, recording
 from capture.generate import decode_greedy, prefill
+from capture.inloop import perstep
 from capture.inloop.enforce import EvictionState, LayerPlan
-from capture.inloop.prn_torch import permanent_uniforms_torch
+from capture.inloop.prn_torch import layer_uniforms_torch
 from capture.models import rope_info
 from capture.runner import query_roles
 from capture.tasks import grade
@@ -98,10 +99,8 @@ def prefill_sequence(
     return Prefill(cache=cache, logits=logits, traces=traces, prompt_length=P, grams=grams)
 
 
-def _plan(pi: np.ndarray, kept: np.ndarray, policy: Policy) -> LayerPlan:
-    return LayerPlan(pi=torch.from_numpy(pi), kept=torch.from_numpy(np.asarray(kept, bool)),
-                     hajek=policy.correction == "hajek", certified=policy.certified,
-                     fixed_size=policy.design is not None and policy.design.variance == "fixed")
+def _stream0(seed: int, trace: LayerTrace) -> np.ndarray:
+    return layer_uniforms_torch(seed, trace.layer, trace.n_kv_heads, trace.n_positions)
 
 
 def layer_plans(traces: list[LayerTrace], policy: Policy, seed: int) -> dict[int, LayerPlan]:
@@ -114,8 +113,8 @@ def layer_plans(traces: list[LayerTrace], policy: Policy, seed: int) -> dict[int
     n_layers = len(traces)
     for trace in traces:
         pi, kept = first_event_inclusion(trace, policy, int(seed), n_layers,
-                                         uniforms=_uniforms_torch(seed, trace))
-        plans[trace.layer] = _plan(pi, kept, policy)
+                                         uniforms=_stream0(seed, trace))
+        plans[trace.layer] = LayerPlan.for_policy(pi, kept, policy)
     return plans
 
 
@@ -143,14 +142,6 @@ def _trace_at(prefill: Prefill, state: EvictionState, layer: int, tau: int) -> L
                       query_positions=positions.astype(np.int64), query_roles=roles,
                       prompt_length=base.prompt_length, question_start=base.question_start,
                       scale=base.scale, rope=base.rope)
-
-
-def _uniforms_torch(seed: int, trace: LayerTrace) -> np.ndarray:
-    # The torch port, so the kept sets are those a serving system computes on its own device.
-    pos = torch.arange(trace.n_positions)
-    heads = torch.arange(trace.n_kv_heads)[:, None]
-    return permanent_uniforms_torch(int(seed), trace.layer, heads, pos.expand(
-        trace.n_kv_heads, -1)).numpy()
 
 
 @dataclass
@@ -199,14 +190,12 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
             for layer in range(n_layers):
                 trace = _trace_at(prefill, state, layer, tau)
                 pi, kept = event_inclusion(trace, policy, int(seed), n_layers, tau,
-                                           uniforms=_uniforms_torch(seed, trace))
-                out[layer] = _plan(pi, kept, policy)
+                                           uniforms=_stream0(seed, trace))
+                out[layer] = LayerPlan.for_policy(pi, kept, policy)
             return out
 
     per_step = policy is not None and policy.schedule.per_step
     if per_step:
-        from capture.inloop import perstep
-
         if fetch is not None:
             raise ValueError("fetch: in-loop fetches need one-shot eviction (schedule: oneshot)")
         state = perstep.PerStepState(prefill, policy, seed, one_pass=one_pass)
@@ -278,9 +267,8 @@ def outcome_row(meta: dict[str, Any], policy: Policy, seed: int, result: DecodeR
     kept = result.kept_tokens
     steps = {}
     if n_kv is not None and head_dim is not None:
-        from capture.inloop.perstep import step_columns
 
-        steps = step_columns(policy, result, P, n_layers, int(n_kv), int(head_dim), memory)
+        steps = perstep.step_columns(policy, result, P, n_layers, int(n_kv), int(head_dim), memory)
     return {
         **policy.row(),
         "sequence_id": meta["sequence_id"], "task": meta["task"], "seed": int(seed),

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from capture.attention import LayerRecord
-from capture.inloop.enforce import EvictionState
+from capture.inloop.enforce import EvictionState, LayerPlan
+from capture.inloop.prn_torch import layer_uniforms_torch
 from tracesim.policies import LayerTrace, Policy
 from tracesim.replay.kept import event_inclusion
 
@@ -120,8 +121,6 @@ class PerStepState(EvictionState):
 
     def before_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor) -> None:
-        from capture.inloop.evict import _plan, _uniforms_torch
-
         q_len, kv_len = query.shape[2], key.shape[2]
         if q_len != 1 or kv_len <= self.prompt_length:
             return  # the prefill attends to the full cache
@@ -130,10 +129,11 @@ class PerStepState(EvictionState):
                            key[0], value[0])
         # Fresh coordination draws the step's own stream inside event_inclusion; permanent
         # uses stream 0, from the torch port as the one-shot path does.
-        uniforms = None if self.policy.schedule.fresh else _uniforms_torch(self.seed, trace)
+        uniforms = None if self.policy.schedule.fresh else layer_uniforms_torch(
+            self.seed, trace.layer, trace.n_kv_heads, trace.n_positions)
         pi, kept = event_inclusion(trace, self.policy, self.seed, self.n_layers, t,
                                    uniforms=uniforms)
-        self.plans[layer] = _plan(pi, kept, self.policy)
+        self.plans[layer] = LayerPlan.for_policy(pi, kept, self.policy)
         if not self.step_positions or self.step_positions[-1] != t:
             self.step_positions.append(t)
             self.step_kept.append(np.zeros((self.n_layers, trace.n_kv_heads), dtype=np.int64))

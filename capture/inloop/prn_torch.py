@@ -8,11 +8,12 @@ the simulator and in the model.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tracesim.prn import STREAM_INCLUSION
 
-__all__ = ["permanent_uniforms_torch"]
+__all__ = ["layer_uniforms_torch", "permanent_uniforms_torch"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -70,3 +71,13 @@ def permanent_uniforms_torch(
     hi = (h >> 6).to(torch.float64)
     lo = (g >> 6).to(torch.float64)
     return (hi * 2.0**26 + lo + 0.5) / 2.0**52
+
+
+def layer_uniforms_torch(seed: int, layer: int, n_kv_heads: int, n_positions: int) -> np.ndarray:
+    """Stream-0 uniforms of one layer, shape ``(n_kv_heads, n_positions)`` (float64 numpy),
+    computed by the torch port, so the in-loop kept sets are those a serving system computes on
+    its own device (equal to :func:`tracesim.replay.inclusion.seed_uniforms` for that seed)."""
+    pos = torch.arange(n_positions)
+    heads = torch.arange(n_kv_heads)[:, None]
+    return permanent_uniforms_torch(int(seed), int(layer), heads,
+                                    pos.expand(n_kv_heads, -1)).numpy()
