@@ -144,16 +144,6 @@ class LayerResult:
         return float(np.max(rel)) if np.isfinite(rel).any() else float("nan")
 
 
-def exp_logits(trace: LayerTrace, qidx: np.ndarray) -> np.ndarray:
-    """``exp(s - max s)`` per (head, evaluated query, position) with causal zeros, float64."""
-    E = np.empty((trace.n_heads, qidx.size, trace.n_positions))
-    exp_logits_kernel(np.ascontiguousarray(trace.queries[:, qidx]),
-                      np.ascontiguousarray(trace.keys), np.ascontiguousarray(
-                          trace.query_positions[qidx], dtype=np.int64),
-                      float(trace.scale), trace.group_size, E)
-    return E
-
-
 def _pairs(G: int) -> tuple[list[tuple[int, int]], np.ndarray]:
     """Head pairs of a GQA group (diagonal first, then ``a < b``) and their (G, G) index."""
     pairs = [(a, a) for a in range(G)] + [(a, b) for a in range(G) for b in range(a + 1, G)]
