@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.torch_replay import torch_replay  # noqa: E402
 from tests.replay_fixtures import synthetic_trace  # noqa: E402
 from tracesim.kernels import replay as K  # noqa: E402
+from tracesim.policies import SCORES as SCORE_CLASSES  # noqa: E402
 from tracesim.policies import make_policy  # noqa: E402
 from tracesim.replay import ReplayOptions, replay_layer  # noqa: E402
 from tracesim.replay.inclusion import seed_uniforms  # noqa: E402
@@ -68,7 +69,7 @@ def policies() -> list:
     # The synthetic trace records 8-query windows: SnapKV reads its question-window queries.
     return [make_policy(s, d, b, design_params={"mixture": 0.1} if d == "poisson" else None,
                         score_params={"window_source": "question"} if s == "snapkv" else None)
-            for s in SCORES if not SCORES[s].per_step for d in DESIGNS for b in BUDGETS]
+            for s in SCORES if not SCORE_CLASSES[s].per_step for d in DESIGNS for b in BUDGETS]
 
 
 def useful_flops(res, pols) -> float:

@@ -66,6 +66,17 @@ def test_quantised_keys_are_within_half_a_step_of_every_entry():
     assert QuantProxy(bits=4).bits_per_token(64) == 64 * (4 + 1)
 
 
+def test_quant_logits_read_the_residual_in_full_precision_in_any_step_order(trace):
+    """The complete groups quantised, the rest exact, whichever steps came before."""
+    proxy = QuantProxy(bits=4, group=8)
+    q = trace.queries[:2, -1]
+    Kq = quantise_keys(trace.keys[0], 4, 8)
+    for end in (90, 20, 21, 95, 17, 20):
+        full = end // 8 * 8
+        K = np.concatenate([Kq[:full], trace.keys[0, full:end]])
+        np.testing.assert_array_equal(proxy.logits(trace, 0, q, end), (q @ K.T) * trace.scale)
+
+
 def test_page_bounds_bound_every_logit_of_their_page(trace):
     q = trace.queries[:, -1]
     for page in (1, 3, 4, 16):

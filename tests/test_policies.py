@@ -21,7 +21,7 @@ from tracesim.policies import (
     take_all_mask,
 )
 from tracesim.policies.snapkv import pool1d
-from tracesim.replay.inclusion import head_inclusion
+from tracesim.replay.inclusion import _top_later, head_inclusion
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,16 @@ def test_pool1d_max_matches_brute_force():
     ref = np.array([x[max(0, i - 2):i + 3].max() for i in range(17)])
     np.testing.assert_array_equal(pool1d(x, 5, "max"), ref)
     np.testing.assert_array_equal(pool1d(x, 1, "avg"), x)
+
+
+def test_top_h_takes_the_highest_scores_and_the_later_of_equal_ones():
+    """The top-h share of the tail budget: the set a stable sort of the reversed scores takes."""
+    rng = np.random.default_rng(4)
+    for trial in range(300):
+        x = rng.integers(0, 4, 40).astype(float) if trial % 2 else rng.random(40)
+        h = int(rng.integers(1, 40))
+        ref = x.size - 1 - np.argsort(-x[::-1], kind="stable")[:h]
+        assert sorted(_top_later(x, h).tolist()) == sorted(ref.tolist())
 
 
 def test_streaming_topk_keeps_sinks_and_most_recent(trace):

@@ -14,10 +14,10 @@ recomputed per policy or seed. For one (iteration, KV head, event) *unit* the ke
 3. multiplies them with the kept values (BLAS dgemm, one thread per iteration), and
 4. finishes each row: estimate, error, certificates, coverage, oracle diagnostics.
 
-Certificates use the running sums ``S2 - 2 o.S1 + |o|^2 S0`` (see ``tracesim.estimators``);
-the output-space certificate expands ``|sum_h a_h W_h (v - o_h)|^2`` with the Gram blocks
-``W_a^T W_b`` so no per-token vector of the hidden size is ever formed, and the layer error
-``|W_O (o_hat - o)|^2`` is ``|R (o_hat - o)|^2`` with ``R`` the triangular factor of ``W_O``.
+Certificates use the running sums ``S2 - 2 o.S1 + |o|^2 S0`` (see ``tracesim.estimators``),
+whose per-row reductions are in :mod:`tracesim.kernels.replay_rows`; the output-space
+certificate and the layer error are in :mod:`tracesim.kernels.replay_output_space`. The
+operands come in named tuples documented in :mod:`tracesim.kernels.replay_operands`.
 
 Each iteration writes only its own output slots and calls BLAS single-threaded (the caller
 sets the BLAS thread limit), so results are bit-identical for any number of numba threads and
@@ -39,6 +39,9 @@ from tracesim.kernels.replay_events import (
     gather_kept,
     largest_sampled_out,
 )
+from tracesim.kernels.replay_operands import IterationOutputs, KeptUnit
+from tracesim.kernels.replay_output_space import group_variance, layer_error
+from tracesim.kernels.replay_rows import cross_sums, row_sums, tail_sums, trace_sq
 from tracesim.prn import step_uniforms_into
 
 # Fields of ``out[iteration, head, query, :]``.
@@ -55,9 +58,43 @@ _NS = 10
 
 
 @nb.njit(cache=True)
-def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, kept_idx,
-          mt, m, kb, ex, event, corrected, certify, fixed_var, z_wald, t_table, gblk,
-          vqg, pidx, use_os, want_trv2, stats, top, xta, zta, nta, out_it, errT, lcert):
+def _unit(layer, ev, osp, cert, unit, res):
+    """Replay one (iteration, KV head, event) unit: estimate, error and certificates of each
+    (query, head) row of the event's queries and the group's heads.
+
+    Parameters
+    ----------
+    layer : LayerArrays
+        The layer's tensors.
+    ev : EventParts
+        Seed-independent per-event results (oracle statistics, take-all parts).
+    osp : OutputSpace
+        Output-space operands (empty ``rpack``: the output space is off).
+    cert : CertificateConstants
+        Quantiles of the coverage events and whether to compute ``tr(V_hat^2)``.
+    unit : KeptUnit
+        The unit's kept set (from :func:`tracesim.kernels.replay_events.gather_kept`) and its
+        policy's rules.
+    res : IterationOutputs
+        The iteration's outputs: this unit writes ``res.out[h, q]`` and ``res.errT[h*d:, q]``
+        for its rows and adds its queries' output-space certificate terms to ``res.lcert``.
+    """
+    # Fields unpacked to the names of the formulas (no copies: array views and scalars).
+    E, zfull, truth, qpos = layer.E, layer.zfull, layer.truth, layer.qpos
+    qrows, j0, g = unit.qrows, unit.j0, unit.g
+    pi_row, keptflag, kept_idx = unit.pi_row, unit.keptflag, unit.kept_idx
+    mt, m, kb, ex, event = unit.mt, unit.m, unit.kb, unit.ex, unit.event
+    corrected, certify, fixed_var = unit.corrected, unit.certify, unit.fixed_var
+    z_wald, t_table, want_trv2 = cert.z_wald, cert.t_table, cert.want_trv2
+    stats, top, xta, zta, nta = ev.stats, ev.top, ev.xta, ev.zta, unit.n_take_all
+    pidx = osp.pidx
+    use_os = osp.rpack.size > 0
+    out_it, errT, lcert = res.out, res.errT, res.lcert
+    Vg = layer.V[g]
+    vn2g = layer.vn2[g]
+    gblk = osp.gblk[g]
+    vqg = osp.vq[g]
+    G = E.shape[0] // layer.V.shape[0]
     nqe = qrows.size
     d = Vg.shape[1]
     R = nqe * G
@@ -106,7 +143,7 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
             r = a * G + hh
             sc[r, _Z] = Z[r]
             w = We[r]
-            km, sw, sw2 = _row_sums(w, piv, nv)
+            km, sw, sw2 = row_sums(w, piv, nv)
             wmax = 0.0
             for j in range(nv):
                 wmax = max(wmax, np.float64(w[j]))
@@ -116,7 +153,7 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
             s_cw = 0.0
             s_c1 = 0.0
             if tail:
-                s_c, s_q, s_qg = _tail_sums(w, cw, vnk, vqk[pidx[hh, hh]], nv, use_os, Wd[r])
+                s_c, s_q, s_qg = tail_sums(w, cw, vnk, vqk[pidx[hh, hh]], nv, use_os, Wd[r])
                 for j in range(nv, mt):
                     Wd[r, j] = 0.0
                 if fixed_var:
@@ -147,7 +184,7 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
                     ra = a * G + ha
                     rb = a * G + hb
                     pq = pidx[ha, hb]
-                    s0, s1 = _cross_sums(We[ra], We[rb], cw, vqk[pq], mt, Wxf[rx])
+                    s0, s1 = cross_sums(We[ra], We[rb], cw, vqk[pq], mt, Wxf[rx])
                     sx[rx, 0] = s0
                     sx[rx, 1] = s1
                     x += 1
@@ -261,181 +298,49 @@ def _unit(E, zfull, Vg, vn2g, truth, qpos, qrows, j0, g, G, pi_row, keptflag, ke
             o[F_TRV2] = np.nan
             if want_trv2:
                 # mu holds sum (1-pi) a r; Rosén's centre divides it by sum (1-pi).
-                o[F_TRV2] = _trace_sq(We[r], Z[r], cw, Vk, est[hh], mu / sc[r, _SC1]
+                o[F_TRV2] = trace_sq(We[r], Z[r], cw, Vk, est[hh], mu / sc[r, _SC1]
                                       if fixed_var else mu, kept_idx, mt, t, fixed_var,
                                       mr) if (tail and mr > 0) else 0.0
     if certify and use_os and tail:
-        _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gblk, lcert)
-
-
-@nb.njit(cache=True, fastmath={"reassoc", "contract"})
-def _row_sums(w, piv, n):
-    """``(sum w exp-mass, sum w, sum w^2)`` over the first ``n`` weights of a row."""
-    km = 0.0
-    sw = 0.0
-    sw2 = 0.0
-    for j in range(n):
-        x = np.float64(w[j])
-        km += x * piv[j]
-        sw += x
-        sw2 += x * x
-    return km, sw, sw2
-
-
-@nb.njit(cache=True, fastmath={"reassoc", "contract"})
-def _tail_sums(w, cw, vnk, vqd, n, use_os, wd):
-    """Row ``wd = (1-pi) w^2`` of the certificate's GEMM and its sums ``sum wd``,
-    ``sum wd |v|^2`` and (output space) ``sum wd v^T Gamma_aa v``."""
-    s_c = 0.0
-    s_q = 0.0
-    s_qg = 0.0
-    # Two loops rather than a test inside one: without the output space ``vqd`` is empty, and
-    # the loop that runs by default stays a plain two-accumulator reduction.
-    if use_os:
-        for j in range(n):
-            x = np.float64(w[j])
-            v = cw[j] * x * x
-            wd[j] = v
-            s_c += v
-            s_q += v * vnk[j]
-            s_qg += v * vqd[j]
-    else:
-        for j in range(n):
-            x = np.float64(w[j])
-            v = cw[j] * x * x
-            wd[j] = v
-            s_c += v
-            s_q += v * vnk[j]
-    return s_c, s_q, s_qg
-
-
-@nb.njit(cache=True, fastmath={"reassoc", "contract"})
-def _cross_sums(wa, wb, cw, vq, n, wx):
-    """Row ``wx = (1-pi) w_a w_b`` of a head pair and its sums ``sum wx``,
-    ``sum wx v^T Gamma_ab v``."""
-    s0 = 0.0
-    s1 = 0.0
-    for j in range(n):
-        v = cw[j] * np.float64(wa[j]) * np.float64(wb[j])
-        wx[j] = v
-        s0 += v
-        s1 += v * vq[j]
-    return s0, s1
-
-
-@nb.njit(cache=True)
-def _trace_sq(w, z, cw, Vk, est, mu, kept_idx, mt, t, fixed_var, mr):
-    """``tr(V_hat^2)`` for one row via the d x d matrix (optional; O(m d^2))."""
-    d = Vk.shape[1]
-    Zt = np.zeros((d, mt))
-    Zr = np.zeros((mt, d))
-    for j in range(mt):
-        if kept_idx[j] > t:
-            continue
-        s = np.sqrt(cw[j])
-        a = w[j] / z
-        for k in range(d):
-            val = s * (a * (Vk[j, k] - est[k]) - (mu[k] if fixed_var else 0.0))
-            Zr[j, k] = val
-            Zt[k, j] = val
-    Vm = np.dot(Zt, Zr)
-    infl = 1.0
-    if fixed_var:
-        infl = mr / (mr - 1.0) if mr > 1.0 else 0.0
-    acc = 0.0
-    for i in range(d):
-        for k in range(d):
-            acc += Vm[i, k] * Vm[i, k]
-    return acc * infl * infl
-
-
-@nb.njit(cache=True)
-def _group_variance(qrows, G, npx, est3, Z, sc, TD, XF, sx, gblk, lcert):
-    """Add ``sum_{i in S} (1-pi_i) |sum_h a_hi W_h (v_i - o_h)|^2`` of each block query to
-    ``lcert``. The Gram products ``Gamma_ab o_b`` of every ordered head pair come from one GEMM
-    per head b, ``o_b^T [Gamma_b0 ... Gamma_b,G-1]`` (``gblk[b]``: row block b of the group's
-    ``W_g^T W_g``)."""
-    nqe = qrows.size
-    d = est3.shape[2]
-    pg = np.empty((G, nqe, G * d))
-    for hb in range(G):
-        pg[hb] = np.dot(est3[hb], gblk[hb])  # pg[b][a, ha*d + k] = (Gamma_{ha,b} o_b)_k
-    x = G  # cross pairs are stored after the G diagonal pairs
-    for ha in range(G):
-        for hb in range(ha, G):
-            cross = ha != hb
-            mult = 2.0 if cross else 1.0
-            ca = ha * d  # (Gamma_ab o_b) in pg[hb]; (Gamma_ab^T o_a) = (Gamma_ba o_a) in pg[ha]
-            cb = hb * d
-            for a in range(nqe):
-                ra = a * G + ha
-                rb = a * G + hb
-                if cross:
-                    s_ab = sx[a * npx + x - G, 0]
-                    term = sx[a * npx + x - G, 1]
-                else:
-                    s_ab = sc[ra, _SC]
-                    term = sc[ra, _QG]
-                quad = 0.0
-                xr = a * npx + x - G
-                for k in range(d):
-                    tv = XF[xr, k] if cross else TD[ra, k]
-                    b1 = pg[hb, a, ca + k]
-                    term -= tv * (b1 + pg[ha, a, cb + k])
-                    quad += est3[ha, a, k] * b1
-                term += s_ab * quad
-                lcert[qrows[a]] += mult * term / (Z[ra] * Z[rb])
-            if cross:
-                x += 1
-
-
-@nb.njit(cache=True)
-def _layer_error(errT, rpack, roff, rstart, lerr):
-    """``lerr[q] = |W_O err_q|^2 = |R err_q|^2`` with ``R`` the triangular factor of
-    ``W_O = Q R``: one GEMM per row block ``c`` of ``R`` over its non-zero columns ``[r0, Hd)``
-    (about half the multiply-adds of ``W_O err``). ``errT`` (Hd, NQ); ``rpack`` holds the
-    blocks ``R[r0:r1, r0:]`` row-major at offsets ``roff``, row starts ``rstart``."""
-    Hd, NQ = errT.shape
-    flat = errT.ravel()
-    for q in range(NQ):
-        lerr[q] = 0.0
-    for c in range(rstart.size - 1):
-        r0 = rstart[c]
-        r1 = rstart[c + 1]
-        Rc = rpack[roff[c]:roff[c + 1]].reshape((r1 - r0, Hd - r0))
-        Y = np.dot(Rc, flat[r0 * NQ:].reshape((Hd - r0, NQ)))
-        for i in range(r1 - r0):
-            for q in range(NQ):
-                y = np.float64(Y[i, q])
-                lerr[q] += y * y
+        group_variance(qrows, G, npx, est3, Z, sc[:, _SC], sc[:, _QG], TD, XF, sx, gblk,
+                       lcert)
 
 
 @nb.njit(cache=True, parallel=True)
-def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev, kmask,
-                  u, ev_stream, seed_values, layer, it_cfg, it_seed, it_slot, it_kslot, flags,
-                  z_wald, t_table, gblk, vq, pidx, rpack, roff, rstart, want_trv2, stats, top,
-                  xta, zta, nta, out, lout):
-    """Replay every iteration (policy, seed) over one layer; see the module docstring.
+def replay_kernel(layer, incl, its, cert, ev, osp, res):
+    """Replay every iteration (policy, seed) over one chunk of a layer's queries; see the
+    module docstring.
 
-    Shapes: ``E`` (H, NQ, P); ``zfull`` (H, NQ); ``V`` (n_kv, P, d); ``vn2`` (n_kv, P) = ``|v|^2``;
-    ``truth`` (H, NQ, d); ``qpos`` (NQ,); ``pi`` (n_events, n_kv, P); ``kmask`` (>=1, n_kv, P);
-    ``u`` (S, n_kv, P) permanent uniforms (stream 0); ``ev_stream`` (n_events,): -1 where the
-    event's kept set is decided by ``u``, else the stream of its fresh per-step uniforms, drawn
-    here from ``seed_values`` (S,) and ``layer`` (:func:`tracesim.prn.step_uniforms_into`);
-    ``flags`` (n_cfg, 3) = (corrected, certify, fixed variance);
-    ``t_table`` (P + 2,) Student quantiles by tail size; for the output space ``gblk``
-    (n_kv, G, d, G*d): row blocks of each group's ``W_g^T W_g``, ``vq`` (n_kv, n_pairs, P),
-    and the layer error's packed triangular factor ``rpack``/``roff``/``rstart``
-    (:func:`_layer_error`; empty ``rpack`` = off);
-    ``pidx`` (G, G) pair index (diagonal pairs 0..G-1, then cross pairs); ``stats`` and
-    ``top`` from :func:`tracesim.kernels.replay_events.event_stats_kernel`; ``xta``, ``zta``
-    and ``nta`` from :func:`tracesim.kernels.replay_events.take_all_kernel`;
-    ``out`` (n_iter, H, NQ, N_FIELDS); ``lout`` (n_iter, NQ, N_LAYER_FIELDS).
+    Parameters
+    ----------
+    layer : LayerArrays
+        Exp-logits, normalisers, values, ``|v|^2``, truth and query positions.
+    incl : InclusionArrays
+        Inclusion probabilities, event times, event -> query lists, slots, fixed-size kept
+        masks and per-step streams.
+    its : IterationTables
+        The (policy, seed) iterations, the policies' flags, the permanent uniforms, the seeds
+        and the layer index (fresh per-step uniforms are drawn here, per unit).
+    cert : CertificateConstants
+        Wald and Student quantiles, ``tr(V_hat^2)`` on or off.
+    ev : EventParts
+        From :func:`tracesim.kernels.replay_events.event_parts`.
+    osp : OutputSpace
+        Gram blocks, quadratic forms and the layer error's packed triangular factor
+        (:func:`tracesim.kernels.replay_output_space.layer_error`; empty
+        ``rpack`` = off).
+    res : ReplayOutputs
+        Written: ``out[it]`` and ``lout[it]`` of every iteration.
     """
+    E, V, rpack = layer.E, layer.V, osp.rpack
+    pi, tau, ev_qptr, ev_q = incl.pi, incl.tau, incl.ev_qptr, incl.ev_q
+    slot_ev, kmask, ev_stream = incl.slot_ev, incl.kmask, incl.ev_stream
+    it_cfg, it_seed, it_slot, it_kslot = its.it_cfg, its.it_seed, its.it_slot, its.it_kslot
+    flags, u, seed_values, layer_index = its.flags, its.u, its.seed_values, its.layer
+    lout = res.lout
     H, NQ, P = E.shape
     n_kv = V.shape[0]
     d = V.shape[2]
-    G = H // n_kv
     use_os = rpack.size > 0
     for it in nb.prange(it_cfg.size):
         c = it_cfg[it]
@@ -450,6 +355,7 @@ def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev
         keptflag = np.empty(P, dtype=np.bool_)
         kept_idx = np.empty(P, dtype=np.int64)
         ufresh = np.empty(P)
+        written = IterationOutputs(res.out[it], errT, lcert)
         for g in range(n_kv):
             for e in range(slot_ev[slot], slot_ev[slot + 1]):
                 qrows = ev_q[ev_qptr[e]:ev_qptr[e + 1]]
@@ -457,18 +363,18 @@ def replay_kernel(E, zfull, V, vn2, truth, qpos, pi, tau, ev_qptr, ev_q, slot_ev
                     continue
                 urow = u[s, g]
                 if ev_stream[e] >= 0:
-                    step_uniforms_into(seed_values[s], ev_stream[e], layer, g, tau[e], ufresh)
+                    step_uniforms_into(seed_values[s], ev_stream[e], layer_index, g, tau[e],
+                                       ufresh)
                     urow = ufresh
                 mt, m, kb, ex = gather_kept(pi[e, g], urow, kmask[max(ks, 0), g], ks >= 0,
                                             tau[e], keptflag, kept_idx)
-                _unit(E, zfull, V[g], vn2[g], truth, qpos, qrows, ev_qptr[e], g, G,
-                      pi[e, g], keptflag, kept_idx, mt, m, kb, ex, e - slot_ev[slot],
-                      corrected, certify, fixed_var, z_wald, t_table, gblk[g], vq[g],
-                      pidx, use_os, want_trv2, stats, top, xta, zta, nta[e, g], out[it], errT,
-                      lcert)
+                unit = KeptUnit(qrows, ev_qptr[e], g, pi[e, g], keptflag, kept_idx, mt, m, kb,
+                                ex, e - slot_ev[slot], ev.nta[e, g], corrected, certify,
+                                fixed_var)
+                _unit(layer, ev, osp, cert, unit, written)
         if use_os:
             lerr = np.empty(NQ)
-            _layer_error(errT, rpack, roff, rstart, lerr)
+            layer_error(errT, rpack, osp.roff, osp.rstart, lerr)
             for q in range(NQ):
                 lout[it, q, L_ERR2] = lerr[q]
                 lout[it, q, L_CERT2] = lcert[q] if certify else np.nan

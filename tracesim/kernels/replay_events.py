@@ -10,6 +10,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from tracesim.kernels.replay_operands import EventParts, InclusionArrays, LayerArrays
+
 # Fields of the per-(event query, head) statistics.
 S_POP, S_EV_MASS, S_EV_MAX, S_ELIG_MASS, S_N_ELIG = range(5)
 N_STATS = 5
@@ -385,3 +387,33 @@ def take_all_kernel(E, V, pi, ev_qptr, ev_q, G, xta, zta, nta) -> None:
     work = ev_q.size * E.shape[0] * E.shape[2] * V.shape[2]
     (_take_all_ser if work < SERIAL_BELOW else _take_all_par)(E, V, pi, ev_qptr, ev_q, G, xta,
                                                               zta, nta)
+
+
+def event_parts(layer: LayerArrays, incl: InclusionArrays) -> EventParts:
+    """Everything the replay needs per (event, KV head) that does not depend on the seed.
+
+    Parameters
+    ----------
+    layer : LayerArrays
+        The chunk's exp-logits, normalisers, values and query positions (``truth`` unused).
+    incl : InclusionArrays
+        Inclusion probabilities and the chunk's event -> query lists.
+
+    Returns
+    -------
+    EventParts
+        Oracle statistics from :func:`event_stats_kernel`, take-all numerators, normalisers
+        and counts from :func:`take_all_kernel`.
+    """
+    H, d = layer.E.shape[0], layer.V.shape[2]
+    G = H // layer.V.shape[0]
+    n_rows = incl.ev_q.size
+    stats = np.empty((n_rows, H, N_STATS))
+    top = np.empty((n_rows, H, TOP_ELIGIBLE), dtype=np.int64)
+    event_stats_kernel(layer.E, layer.zfull, incl.pi, incl.ev_qptr, incl.ev_q, layer.qpos, G,
+                       stats, top)
+    xta = np.empty((n_rows, H, d))
+    zta = np.empty((n_rows, H))
+    nta = np.empty((incl.ev_qptr.size - 1, layer.V.shape[0]), dtype=np.int64)
+    take_all_kernel(layer.E, layer.V, incl.pi, incl.ev_qptr, incl.ev_q, G, xta, zta, nta)
+    return EventParts(stats=stats, top=top, xta=xta, zta=zta, nta=nta)

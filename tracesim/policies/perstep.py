@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -16,6 +17,10 @@ __all__ = ["GQA_AGGREGATIONS", "PerStepScore"]
 #: How the query heads of a GQA group share one sample: the mean of their proxy attention, or
 #: the maximum (so each head's heavy tokens get a high pi).
 GQA_AGGREGATIONS = ("mean", "max")
+
+
+#: Parsed proxies by spec (proxies are frozen: one instance serves every step and head).
+_parsed_proxy = functools.lru_cache(maxsize=64)(make_proxy)
 
 
 @dataclass(frozen=True)
@@ -78,18 +83,26 @@ class PerStepScore(Score):
         return make_proxy(self.proxy).bits_per_token(head_dim)
 
     def step_query(self, trace: LayerTrace, position: int) -> int:
-        """Index of the stored decode query at ``position``."""
-        idx = np.flatnonzero((trace.query_positions == position)
-                             & np.array([r == "decode" for r in trace.query_roles]))
-        if idx.size == 0:
+        """Index of the stored decode query at ``position`` (the first, if several)."""
+        # Every step of every KV head asks: the position -> index map is built once per trace.
+        key = ("decode-query-at-position",)
+        first = trace._attention_cache.get(key)
+        if first is None:
+            first = {}
+            for i, (pos, role) in enumerate(zip(trace.query_positions.tolist(),
+                                                trace.query_roles, strict=True)):
+                if role == "decode":
+                    first.setdefault(pos, i)
+            trace._attention_cache[key] = first
+        if position not in first:
             raise ValueError(f"perstep: sequence {trace.sequence_id!r} stores no decode query at "
                              f"position {position}; a per-step design needs a store captured "
                              "with decode steps (expected queries with role 'decode')")
-        return int(idx[0])
+        return first[position]
 
     def scores(self, trace: LayerTrace, kv_head: int, end: int,
                seed: int | None = None) -> np.ndarray:
-        proxy = make_proxy(self.proxy)
+        proxy = _parsed_proxy(self.proxy)
         proxy.check_trace(trace)
         qi = self.step_query(trace, end)
         heads = list(trace.group(kv_head))

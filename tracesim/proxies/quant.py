@@ -81,5 +81,17 @@ class QuantProxy(Proxy):
         # no later key); the partial group at the end stays in full precision, as KIVI keeps
         # its residual tokens (with window >= group these are all in the take-all window).
         full = (end // self.group) * self.group
-        K = np.concatenate([Kq[:full], trace.keys[kv_head, full:end]])
-        return (queries @ K.T) * trace.scale
+        return (queries @ self._step_keys(trace, kv_head, Kq, full)[:end].T) * trace.scale
+
+    def _step_keys(self, trace: LayerTrace, kv_head: int, Kq: np.ndarray,
+                   full: int) -> np.ndarray:
+        """``[Kq[:full], keys[full:]]``, shape (P, d): the keys every step with the same
+        ``full`` reads (its first ``end`` rows). Built once per complete group rather than
+        concatenated at every step, and replaced, never written, when ``full`` moves on."""
+        key = ("proxy-step-keys", self.spec(), int(kv_head))
+        cache = trace._attention_cache
+        held = cache.get(key)
+        if held is None or held[0] != full:
+            held = (full, np.concatenate([Kq[:full], trace.keys[kv_head, full:]]))
+            cache[key] = held
+        return held[1]

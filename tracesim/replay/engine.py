@@ -20,13 +20,18 @@ from threadpoolctl import ThreadpoolController
 from tracesim.kernels.bounds import N_BOUND_FIELDS, bound_kernel
 from tracesim.kernels.replay import N_FIELDS, N_LAYER_FIELDS, replay_kernel
 from tracesim.kernels.replay_events import (
-    N_STATS,
-    TOP_ELIGIBLE,
     check_exp_range,
-    event_stats_kernel,
+    event_parts,
     exp_logits_kernel,
-    take_all_kernel,
     truth_kernel,
+)
+from tracesim.kernels.replay_operands import (
+    CertificateConstants,
+    InclusionArrays,
+    IterationTables,
+    LayerArrays,
+    OutputSpace,
+    ReplayOutputs,
 )
 from tracesim.policies import LayerTrace, Policy
 from tracesim.replay.inclusion import InclusionTables, build_inclusion, seed_uniforms
@@ -142,16 +147,6 @@ class LayerResult:
         with np.errstate(invalid="ignore", divide="ignore"):
             rel = self.output_check / np.maximum(self.truth_norm, 1e-30)
         return float(np.max(rel)) if np.isfinite(rel).any() else float("nan")
-
-
-def exp_logits(trace: LayerTrace, qidx: np.ndarray) -> np.ndarray:
-    """``exp(s - max s)`` per (head, evaluated query, position) with causal zeros, float64."""
-    E = np.empty((trace.n_heads, qidx.size, trace.n_positions))
-    exp_logits_kernel(np.ascontiguousarray(trace.queries[:, qidx]),
-                      np.ascontiguousarray(trace.keys), np.ascontiguousarray(
-                          trace.query_positions[qidx], dtype=np.int64),
-                      float(trace.scale), trace.group_size, E)
-    return E
 
 
 def _pairs(G: int) -> tuple[list[tuple[int, int]], np.ndarray]:
@@ -377,6 +372,13 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
         n_it = tables.it_cfg.size
         out = np.empty((n_it, H, NQ, N_FIELDS))
         lout = np.empty((n_it, NQ, N_LAYER_FIELDS))
+        iterations = IterationTables(it_cfg=tables.it_cfg, it_seed=tables.it_seed,
+                                     it_slot=tables.it_slot, it_kslot=tables.it_kslot,
+                                     flags=flags, u=u, seed_values=seeds, layer=int(trace.layer))
+        certificate = CertificateConstants(z_wald=setup.z, t_table=ttab,
+                                           want_trv2=bool(options.satterthwaite))
+        output_space = OutputSpace(gblk=gblk, vq=vq, pidx=pidx, rpack=rpack, roff=roff,
+                                   rstart=rstart)
         step = query_chunk(H, NQ, P)
         Q = np.ascontiguousarray(trace.queries[:, qidx], dtype=dt)
         for q0 in range(0, NQ, step):
@@ -395,22 +397,15 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
             tr = np.empty((H, nq, d))
             zf = np.empty((H, nq))
             truth_kernel(E, V, np.arange(nq, dtype=np.int64), tr, zf)
-            ev_stats = np.empty((ev_q.size, H, N_STATS))
-            top = np.empty((ev_q.size, H, TOP_ELIGIBLE), dtype=np.int64)
-            event_stats_kernel(E, zf, tables.pi, ev_qptr, ev_q, qp, G, ev_stats, top)
-            xta = np.empty((ev_q.size, H, d))
-            zta = np.empty((ev_q.size, H))
-            nta = np.empty((ev_qptr.size - 1, n_kv), dtype=np.int64)
-            take_all_kernel(E, V, tables.pi, ev_qptr, ev_q, G, xta, zta, nta)
+            layer = LayerArrays(E=E, zfull=zf, V=V, vn2=vn2, truth=tr, qpos=qp)
+            incl = InclusionArrays(pi=tables.pi, tau=tables.tau, ev_qptr=ev_qptr, ev_q=ev_q,
+                                   slot_ev=tables.slot_ev, kmask=kmask,
+                                   ev_stream=tables.ev_stream)
             o = out if whole else np.empty((n_it, H, nq, N_FIELDS))
             lo = lout if whole else np.empty((n_it, nq, N_LAYER_FIELDS))
-            replay_kernel(E, zf, V, vn2, tr, qp, tables.pi, tables.tau, ev_qptr, ev_q,
-                          tables.slot_ev, kmask, u, tables.ev_stream, seeds, int(trace.layer),
-                          tables.it_cfg, tables.it_seed,
-                          tables.it_slot, tables.it_kslot, flags, setup.z, ttab, gblk, vq,
-                          pidx, rpack, roff, rstart, bool(options.satterthwaite), ev_stats, top,
-                          xta, zta, nta, o, lo)
-            del E
+            replay_kernel(layer, incl, iterations, certificate, event_parts(layer, incl),
+                          output_space, ReplayOutputs(out=o, lout=lo))
+            del E, layer  # the next chunk's logits must not coexist with these
             truth[:, q0:q1] = tr
             zfull[:, q0:q1] = zf
             if not whole:

@@ -30,6 +30,20 @@ def _usable_scores(x: np.ndarray, n: int) -> np.ndarray:
     return np.full(x.size, 1.0) if top <= 0 else np.maximum(x, 1e-12 * top)
 
 
+def _top_later(x: np.ndarray, h: int) -> np.ndarray:
+    """Indices of the ``h`` largest of ``x`` (``0 < h < x.size``), the later position first
+    among equal values (as TopK), in no particular order.
+
+    The set a stable sort of the reversed scores selects, found in O(N): one partition gives
+    the h-th largest value ``v``; every score above ``v`` is in, and of those equal to ``v``
+    the last ones fill the remaining places.
+    """
+    v = np.partition(x, x.size - h)[x.size - h]
+    above = np.flatnonzero(x > v)
+    ties = np.flatnonzero(x == v)
+    return np.concatenate([above, ties[ties.size - (h - above.size):]])
+
+
 def head_inclusion(scores: np.ndarray, take_all: np.ndarray, design: Design,
                    tail_budget: int, top_fraction: float = 0.0,
                    alive: np.ndarray | None = None, ties: str = "later") -> np.ndarray:
@@ -78,8 +92,7 @@ def head_inclusion(scores: np.ndarray, take_all: np.ndarray, design: Design,
     x = np.asarray(scores, dtype=np.float64)[tail]
     h = int(round(float(top_fraction) * n))
     if h > 0:
-        # Reverse so the stable sort prefers the later position among equal scores (as TopK).
-        top = tail.size - 1 - np.argsort(-x[::-1], kind="stable")[:h]
+        top = _top_later(x, h)
         keep = np.ones(tail.size, dtype=bool)
         keep[top] = False
         tail, x, n = tail[keep], x[keep], n - h
