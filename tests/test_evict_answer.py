@@ -159,3 +159,12 @@ def test_run_evict_writes_the_answer_columns_and_the_report_table(tiny_store, tm
 
     add_to_report(Report, df)
     assert "first_digit_kept" in next(iter(Report.tables.values()))
+
+
+def test_the_span_and_its_table_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, capture.inloop.answer, analysis.answer_span; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
