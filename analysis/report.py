@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from analysis import figures
 from analysis import report_figures as rfig
 from analysis.adaptive import adaptive_table
+from analysis.answer_span import add_to_report as add_answer_span
 from analysis.claim_registry import claims_table, registered_claims
 from analysis.claims import INCONCLUSIVE, INPUT_MISSING, SUPPORTED, ClaimInputs, ClaimResult
 from analysis.evict_perstep import add_to_report as add_perstep_outcomes
@@ -214,6 +215,7 @@ def _add_outcome_parts(report: Report, inputs: ClaimInputs) -> None:
         cols["kept_fraction"] = ("kept_fraction", "mean")
     acc = out_df.groupby(["score", "design", "correction", "budget"], dropna=False).agg(**cols)
     report.tables["end-to-end accuracy"] = acc.round(3).to_string()
+    add_answer_span(report, out_df)
     add_perstep_outcomes(report, out_df, inputs.prereg)
 
 

@@ -52,7 +52,12 @@ def inputs(tmp_path_factory):
                 correct=correct, full_correct=full_correct,
                 failure=("none" if correct else "cache_induced" if full_correct else "inherent"),
                 logprob_mean=-rng.gamma(1.0) - (0 if correct else 0.5),
-                certificate_mean=cert, certificate_max=cert * 2 if certified else np.nan))
+                certificate_mean=cert, certificate_max=cert * 2 if certified else np.nan,
+                # the answer span: no draws here, so the rows above stay those of the seed
+                answer_tokens=5, answer_kept_share=1.0 if budget == 0.5 else 0.6,
+                answer_kept_min=1.0 if budget == 0.5 else 0.2,
+                answer_first_kept_share=1.0 if budget == 0.5 else 0.8,
+                answer_last_kept_share=1.0 if budget == 0.5 else 0.4))
     outcomes = root / "outcomes"
     outcomes.mkdir()
     pq.write_table(pa.Table.from_pandas(pd.DataFrame(rows)), outcomes / "outcomes.parquet")
@@ -83,6 +88,11 @@ def test_report_has_a_verdict_for_every_claim_and_a_viewable_html(inputs, tmp_pa
         assert f"<td>{cid}</td>" in page
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| C7 |" in md
+    # the answer-span table follows the end-to-end accuracy table
+    titles = list(report.tables)
+    span = "answer span kept (next to end-to-end accuracy)"
+    assert titles.index(span) == titles.index("end-to-end accuracy") + 1
+    assert "accuracy_whole_kept" in report.tables[span] and span in page
     # Stands alone: provenance, the sample-size caveat, claim text and units, captions.
     assert "n = 3 sequences: a smoke test" in page  # replay results have 3 sequences
     for field_name in ("model", "tasks", "sequences", "prompt lengths", "seeds",

@@ -118,6 +118,24 @@ COLUMN_DOCS: dict[str, str] = {
     "step_link_bytes": "step_rows_read x token bytes: bytes over the link per step",
     "step_us": "modelled time of a step's lower-tier reads on the first lower tier of the "
                "tiers memory model (us; rows scattered, one transfer each, layer by layer)",
+    # evict outcomes: the answer span (capture.inloop.answer); null where the sequence has no
+    # located span (a task outside the generated ones, or the gold not found in the context)
+    "answer_tokens": "prompt tokens carrying the gold answer's digits in the context, every "
+                     "occurrence (the answer span)",
+    "answer_kept_share": "share of the span tokens attended, mean over layers, KV heads and "
+                         "decode steps (one-shot: the plan after prefill)",
+    "answer_kept_min": "smallest per-(layer, KV head) share of span tokens attended (each a "
+                       "mean over decode steps); 1 iff the whole span was kept everywhere",
+    "answer_first_kept_share": "answer_kept_share of the tokens carrying each occurrence's "
+                               "first digit",
+    "answer_last_kept_share": "answer_kept_share of the tokens carrying each occurrence's "
+                              "last digit",
+    "answer_pi_mean": "mean inclusion probability of the span tokens over layers, KV heads "
+                      "and decode steps; null unless the design is randomized",
+    "answer_kept_by_head": "share of span tokens attended per (layer, KV head), layer-major "
+                           "list of n_layers x n_kv_heads (means over decode steps)",
+    "answer_pi_by_head": "mean inclusion probability of the span tokens per (layer, KV head), "
+                         "layer-major list; null unless the design is randomized",
     # evict outcomes with in-loop fetches (tracesim evict --fetch); null without fetching
     "fetch_scheduler": "fetch scheduler enforced in the loop (none, random, certificate, "
                        "certificate_page, certificate_bound, bound, oracle); null without "

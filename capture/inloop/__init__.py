@@ -11,7 +11,8 @@ code and permanent random numbers) and :mod:`tracesim.tiers` (the memory model);
 - :mod:`capture.inloop.onepass` -- one-pass attention with the certificate's quadratic forms;
 - :mod:`capture.inloop.fetch` -- decode with a lower tier: pages fetched per step, modelled time;
 - :mod:`capture.inloop.prn_torch` -- a bit-exact torch port of :mod:`tracesim.prn`.
+- :mod:`capture.inloop.answer` -- the answer span of a prompt, the share of it a run kept.
 
-Importing this package imports nothing heavy; its modules (but ``evict_run``'s top level) import
-torch.
+Importing this package imports nothing heavy; its modules (but ``evict_run``'s top level and
+``answer``) import torch.
 """

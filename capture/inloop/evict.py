@@ -26,6 +26,7 @@ import torch
 from capture.attention import CaptureState, attention_modules, recording
 from capture.generate import decode_greedy, prefill
 from capture.inloop import perstep
+from capture.inloop.answer import AnswerSpan, answer_columns, plan_masks
 from capture.inloop.enforce import EvictionState, LayerPlan
 from capture.inloop.prn_torch import layer_uniforms_torch
 from capture.models import rope_info
@@ -39,13 +40,16 @@ __all__ = ["Prefill", "decode_policy", "failure_label", "layer_plans", "prefill_
 
 @dataclass
 class Prefill:
-    """A prefilled prompt: the cache, the first-token logits and the layer traces."""
+    """A prefilled prompt: the cache, the first-token logits and the layer traces; ``answer``
+    is the prompt's answer span (:func:`capture.inloop.answer.sequence_answer`), which the
+    decodes from this prefill then report on (None: no span, null answer columns)."""
 
     cache: Any
     logits: torch.Tensor
     traces: list[LayerTrace]
     prompt_length: int
     grams: dict[int, torch.Tensor]
+    answer: AnswerSpan | None = None
 
 
 def _group_grams(model: Any, n_kv: int) -> dict[int, torch.Tensor]:
@@ -160,6 +164,11 @@ class DecodeResult:
     # [0, t) attended at it (capture.inloop.perstep.PerStepState)
     step_positions: list[int] = field(default_factory=list)
     step_kept: list[np.ndarray] = field(default_factory=list)
+    # with an answer span: (S, n_layers, n_kv, n) kept flags and inclusion probabilities of its
+    # tokens per decode step (capture.inloop.answer; pi None unless the design is randomized)
+    answer: AnswerSpan | None = None
+    answer_kept: np.ndarray | None = None
+    answer_pi: np.ndarray | None = None
 
 
 @torch.inference_mode()
@@ -223,10 +232,34 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
     else:
         kept = (np.stack([plans[layer].kept[:, :P].sum(dim=1).numpy() for layer in sorted(plans)])
                 if plans else np.full((1, 1), P))
-    return DecodeResult(generated, logprobs, bool(generated[-1] in eos_ids), state.certificates,
-                        kept, state.history, list(getattr(state, "fetch_log", [])),
-                        list(getattr(state, "step_positions", [])),
-                        list(getattr(state, "step_kept", [])))
+    result = DecodeResult(generated, logprobs, bool(generated[-1] in eos_ids),
+                          state.certificates, kept, state.history,
+                          list(getattr(state, "fetch_log", [])),
+                          list(getattr(state, "step_positions", [])),
+                          list(getattr(state, "step_kept", [])))
+    if prefill.answer is not None:
+        _answer_masks(result, prefill, state, policy)
+    return result
+
+
+def _answer_masks(result: DecodeResult, prefill: Prefill, state: EvictionState,
+                  policy: Policy | None) -> None:
+    """Set ``result``'s answer-span flags and probabilities from the run's plans (one-shot,
+    decode-time) or from what a per-step design drew at each step. Fetched pages are not
+    counted as kept: the flags describe the eviction plan."""
+    randomized = (policy is not None and policy.design is not None
+                  and policy.design.randomized and policy.score.evicts)
+    result.answer = prefill.answer
+    if isinstance(state, perstep.PerStepState):
+        if state.answer_kept:  # none without a decode step: null shares
+            result.answer_kept = np.stack(state.answer_kept)
+            result.answer_pi = np.stack(state.answer_pi) if randomized else None
+        return
+    history = state.history or [(prefill.prompt_length, state.plans)]
+    kept, pi = plan_masks(history, len(result.generated_ids), prefill.prompt_length,
+                          len(prefill.traces), prefill.traces[0].n_kv_heads,
+                          prefill.answer.positions)
+    result.answer_kept, result.answer_pi = kept, (pi if randomized else None)
 
 
 def _restore(cache: Any, length: int) -> None:
@@ -248,8 +281,9 @@ def failure_label(correct: bool, full_correct: bool) -> str:
 def outcome_row(meta: dict[str, Any], policy: Policy, seed: int, result: DecodeResult,
                 tokenizer: Any, n_layers: int, *, n_kv: int | None = None,
                 head_dim: int | None = None, memory: Any = None) -> dict[str, Any]:
-    """One outcomes row: answer, correctness, log-probs, certificate aggregates, memory; with
-    ``n_kv`` and ``head_dim`` also the per-step costs
+    """One outcomes row: answer, correctness, log-probs, certificate aggregates, memory, the
+    answer-span columns (:func:`capture.inloop.answer.answer_columns`, null unless the
+    prefill had a span); with ``n_kv`` and ``head_dim`` also the per-step costs
     (:func:`capture.inloop.perstep.step_columns`, ``memory`` a tiers memory model)."""
     gen = result.generated_ids
     answer_ids = gen[:-1] if result.stopped_on_eos else gen
@@ -292,4 +326,5 @@ def outcome_row(meta: dict[str, Any], policy: Policy, seed: int, result: DecodeR
         "memory_tokens": int(round(float(kept.sum()))),
         "full_memory_tokens": int(P * kept.size),
         **steps,
+        **answer_columns(result.answer, result.answer_kept, result.answer_pi),
     }

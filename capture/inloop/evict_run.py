@@ -189,6 +189,7 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
     import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
+    from capture.inloop.answer import sequence_answer
     from capture.inloop.evict import decode_policy, layer_plans, outcome_row, prefill_sequence
     from capture.runner import eos_token_ids
     from tracesim.columns import describe_table, nullify_rows
@@ -225,6 +226,7 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
         pre = prefill_sequence(loaded.model, list(meta["token_ids"])[:P],
                                question_start=int(meta["question_start"]), window=window,
                                scaling=store.model.scaling, layer_certificate=layer_certificate)
+        pre.answer = sequence_answer(meta, loaded.tokenizer)  # None: null answer columns
         budget = max_new_tokens or len(meta["generated_ids"])
         rows = []
         for policy, seed, fc in runs:

@@ -194,6 +194,10 @@ def decode_peer(model: Any, prefill: Any, peer: Peer, max_new_tokens: int, eos_i
     res = DecodeResult(generated, logprobs, bool(generated[-1] in eos_ids), [], kept, [])
     res.step_positions = list(state.step_positions)
     res.step_kept = union
+    if prefill.answer is not None:  # span tokens a KV head's query heads read, per step
+        res.answer = prefill.answer
+        if union:
+            res.answer_kept = np.stack([u[:, :, prefill.answer.positions] for u in union])
     return res
 
 

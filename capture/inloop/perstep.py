@@ -100,6 +100,10 @@ class PerStepState(EvictionState):
         kept, not counted).
     prompt_kept : list of ndarray of int64, shape (n_layers, n_kv_heads)
         Per decode step: the prompt tokens each KV head attends.
+    answer_kept, answer_pi : list of ndarray, shape (n_layers, n_kv_heads, n)
+        Per decode step, with an answer span on the prefill (``prefill.answer``, a
+        :class:`capture.inloop.answer.AnswerSpan` of ``n`` tokens): whether each span token is
+        attended (bool), and its inclusion probability (float64). Empty without a span.
     """
 
     def __init__(self, prefill: Any, policy: Policy, seed: int, *, one_pass: bool = True) -> None:
@@ -118,6 +122,10 @@ class PerStepState(EvictionState):
         self.step_positions: list[int] = []
         self.step_kept: list[np.ndarray] = []
         self.prompt_kept: list[np.ndarray] = []
+        span = getattr(prefill, "answer", None)
+        self._answer_positions = None if span is None else span.positions
+        self.answer_kept: list[np.ndarray] = []
+        self.answer_pi: list[np.ndarray] = []
 
     def before_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor) -> None:
@@ -138,8 +146,15 @@ class PerStepState(EvictionState):
             self.step_positions.append(t)
             self.step_kept.append(np.zeros((self.n_layers, trace.n_kv_heads), dtype=np.int64))
             self.prompt_kept.append(np.zeros((self.n_layers, trace.n_kv_heads), dtype=np.int64))
+            if self._answer_positions is not None:
+                shape = (self.n_layers, trace.n_kv_heads, self._answer_positions.size)
+                self.answer_kept.append(np.zeros(shape, dtype=bool))
+                self.answer_pi.append(np.zeros(shape))
         self.step_kept[-1][layer] = kept[:, :t].sum(axis=1)
         self.prompt_kept[-1][layer] = kept[:, :self.prompt_length].sum(axis=1)
+        if self._answer_positions is not None:
+            self.answer_kept[-1][layer] = kept[:, self._answer_positions]
+            self.answer_pi[-1][layer] = pi[:, self._answer_positions]
 
 
 #: Per-step cost columns of an outcome row (``docs/columns.md``); one value per run.
