@@ -14,14 +14,19 @@ peer            rule (source)
 from __future__ import annotations
 
 from tracesim.peers.base import Peer, StepInput, hajek_row, peer_uniforms
-from tracesim.peers.magicpig import MagicPIG, collision_probability
+from tracesim.peers.magicpig import (
+    MAX_REPLICATES,
+    MagicPIG,
+    collision_probability,
+    replicate_hyperplanes,
+)
 from tracesim.peers.quest import Quest
 from tracesim.peers.run import PEER_COLUMNS, replay_peers, step_inputs
 from tracesim.peers.vattention import VAttention, vattention_budget
 
-__all__ = ["PEERS", "PEER_COLUMNS", "MagicPIG", "Peer", "Quest", "StepInput", "VAttention",
-           "collision_probability", "hajek_row", "make_peer", "peer_uniforms", "replay_peers",
-           "step_inputs", "vattention_budget"]
+__all__ = ["MAX_REPLICATES", "PEERS", "PEER_COLUMNS", "MagicPIG", "Peer", "Quest", "StepInput",
+           "VAttention", "collision_probability", "hajek_row", "make_peer", "peer_uniforms",
+           "replay_peers", "replicate_hyperplanes", "step_inputs", "vattention_budget"]
 
 PEERS = {cls.name: cls for cls in (MagicPIG, VAttention, Quest)}
 

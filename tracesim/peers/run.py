@@ -13,10 +13,13 @@ from tracesim.peers.base import Peer, StepInput
 __all__ = ["PEER_COLUMNS", "replay_peers", "step_inputs"]
 
 #: Result columns (besides the keys ``sequence_id, task, layer, head, kv_head, query_position,
-#: context_tokens, peer, config_id, seed``). NaN where a peer does not define one.
+#: context_tokens, peer, config_id, seed``). NaN where a peer does not define one. The last four
+#: are MagicPIG's: hash sets, rows its attentions read, and the replicate certificate (NaN
+#: with one hash set; ``MagicPIG._replicate_row``).
 PEER_COLUMNS = ("err2", "rel_err", "truth_norm", "cert2", "wald_cov", "hajek_err2",
                 "tail_size", "n_eff", "kept_tokens", "sampled", "expected_sampled", "budget_b",
-                "peer_bound_ok", "peer_den_ok")
+                "peer_bound_ok", "peer_den_ok", "replicates", "rows_read", "rep_cert2",
+                "rep_cov")
 
 
 def step_inputs(trace, head: int, qi: int) -> StepInput:
