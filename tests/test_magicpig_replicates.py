@@ -154,3 +154,13 @@ def test_replay_with_replicates_writes_both_certificates(tmp_path):
     assert rep.rep_cov.between(0, 1).all() and rep.wald_cov.between(0, 1).all()
     assert (rep.rep_cert2 >= 0).all() and one.rep_cert2.isna().all()
     assert (rep.rows_read >= rep.kept_tokens).all() and (one.rows_read == one.kept_tokens).all()
+
+
+def test_in_loop_summary_bits_count_every_hash_set():
+    """The in-loop memory figure charges R sets of K·L hash bits (plus one 16-bit key norm)."""
+    pytest.importorskip("torch")
+    from capture.inloop.peers import summary_bits
+
+    one, four = MagicPIG(bits=10, tables=150), MagicPIG(bits=10, tables=150, replicates=4)
+    assert summary_bits(one, 64) == 10 * 150 + 16
+    assert summary_bits(four, 64) == 4 * 10 * 150 + 16

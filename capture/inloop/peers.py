@@ -69,10 +69,11 @@ def peers_from_cli(names: str | None, params_json: str = "{}") -> list[Peer] | N
 
 def summary_bits(peer: Peer, head_dim: int) -> float:
     """Bits per cached token per KV head a peer reads at every step besides the attended rows:
-    MagicPIG's ``K L`` hash bits and a 16-bit key norm, Quest's fp16 min/max keys per page,
-    vAttention's fp16 keys (its heavy top-k ranks every exact logit)."""
+    MagicPIG's ``K L`` hash bits per hash set (``replicates`` sets) and a 16-bit key norm,
+    Quest's fp16 min/max keys per page, vAttention's fp16 keys (its heavy top-k ranks every
+    exact logit)."""
     if peer.name == "magicpig":
-        return float(peer.bits * peer.tables + 16)
+        return float(peer.replicates * peer.bits * peer.tables + 16)
     if peer.name == "quest":
         return 32.0 * head_dim / peer.page
     return 16.0 * head_dim
