@@ -194,3 +194,36 @@ def test_frontier_reports_the_bootstrap_variant():
     boot = table[(table["variant"] == "bootstrap") & (table["stratum_kind"] == "all")]
     wald = table[(table["variant"] == "wald") & (table["stratum_kind"] == "all")]
     np.testing.assert_allclose(boot["coverage"].to_numpy(), wald["coverage"].to_numpy())
+
+
+def test_sweep_with_bootstrap_is_identical_on_one_and_two_workers(tmp_path):
+    import pandas as pd
+    import pyarrow.parquet as pq
+    import yaml
+
+    from tests.sweep_fixtures import SPEC_TEXT, build_sweep_store
+    from tracesim.sweep import load_spec, run_sweep
+
+    build_sweep_store(tmp_path / "store")
+    (tmp_path / "prereg.yaml").write_text("version: 1\n")
+    doc = yaml.safe_load(SPEC_TEXT)
+    doc["prereg"] = "prereg.yaml"
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(doc, sort_keys=False))
+    doc["options"] = {**(doc.get("options") or {}), "bootstrap": 16}
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    # The option is part of the result hash only when on.
+    assert load_spec(spec).result_hash() != load_spec(plain).result_hash()
+    keys = ["store", "sequence_id", "layer", "config_id", "head", "query_index", "seed"]
+    frames = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        summary = run_sweep(spec, workers=workers, threads_per_worker=1, out=out,
+                            progress=False)
+        assert summary.complete
+        df = pq.read_table(out / "results" / "results.parquet").to_pandas()
+        frames.append(df.sort_values(keys).reset_index(drop=True))
+    assert {"boot_cov", "boot_cert2"} <= set(frames[0].columns)
+    assert frames[0]["boot_cov"].notna().any()
+    pd.testing.assert_frame_equal(frames[0], frames[1], check_exact=True)
