@@ -227,3 +227,24 @@ def test_sweep_with_bootstrap_is_identical_on_one_and_two_workers(tmp_path):
     assert {"boot_cov", "boot_cert2"} <= set(frames[0].columns)
     assert frames[0]["boot_cov"].notna().any()
     pd.testing.assert_frame_equal(frames[0], frames[1], check_exact=True)
+
+
+def test_bootstrap_is_independent_of_the_query_chunking(boot_run, monkeypatch):
+    from tracesim.replay import engine
+
+    trace, policies, seeds, res = boot_run
+    monkeypatch.setattr(engine, "LOGIT_BUDGET_BYTES", trace.n_heads * trace.n_positions * 8 * 3)
+    assert engine.query_chunk(trace.n_heads, res.query_index.size, trace.n_positions) == 3
+    chunked = replay_layer(trace, policies, seeds, n_layers=4,
+                           options=ReplayOptions(bootstrap=N_BOOT))
+    np.testing.assert_array_equal(chunked.boot, res.boot)
+
+
+@pytest.mark.parametrize("bad", ["1", "-2", "100001"])
+def test_replay_cli_refuses_a_bad_bootstrap_naming_the_option(tmp_path, capsys, bad):
+    from tracesim.cli import main
+
+    code = main(["replay", str(tmp_path / "store"), "--bootstrap", bad, "--out",
+                 str(tmp_path / "out")])
+    assert code == 2 and "--bootstrap" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
