@@ -27,6 +27,8 @@ def bootstrap_certificate(
     seed: int | np.random.Generator = 0,
     scale: float | None = None,
     query_positions: np.ndarray | None = None,
+    replicate_weights: np.ndarray | None = None,
+    per_coordinate: bool = False,
 ) -> np.ndarray:
     """Poisson-bootstrap variance of the Hájek estimate (the trace, like ``C^2``).
 
@@ -44,30 +46,46 @@ def bootstrap_certificate(
     seed : int or numpy.random.Generator
         Replicate weights come from ``numpy.random.default_rng(seed)``: derive the seed from
         (run seed, layer, head) for results that do not depend on the order of work.
+        Ignored with ``replicate_weights``.
+    replicate_weights : ndarray, shape (n_replicates, N), optional
+        Given multipliers instead of the Gamma draws (e.g. the replay's Poisson(1) multipliers
+        from :func:`tracesim.prn.bootstrap_weights`); only the kept tail tokens' entries are
+        read, and ``n_replicates`` is the number of rows.
+    per_coordinate : bool, default False
+        Return the per-coordinate variances (shape ``(n_q, d)``) instead of their sum.
 
     Returns
     -------
-    ndarray, shape (n_q,) (a float for a single 1-D query)
+    ndarray, shape (n_q,) (a float for a single 1-D query), or (n_q, d) with ``per_coordinate``
     """
+    pi = np.asarray(inclusion_probabilities, dtype=np.float64)
+    keep = np.asarray(kept, dtype=bool)
+    given = None if replicate_weights is None else np.asarray(replicate_weights, np.float64)
+    if given is not None:
+        if given.ndim != 2 or given.shape[1] != pi.shape[-1]:
+            raise ValueError(f"replicate_weights has shape {given.shape}, expected "
+                             f"(n_replicates, {pi.shape[-1]})")
+        n_replicates = given.shape[0]
     if int(n_replicates) < 2:
         raise ValueError(f"n_replicates = {n_replicates}: expected at least 2")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    pi = np.asarray(inclusion_probabilities, dtype=np.float64)
-    keep = np.asarray(kept, dtype=bool)
     base = hajek_attention(query, keys, values, pi, keep, scale=scale, variance="trace",
                            query_positions=query_positions)
     tail = keep & (pi < 1)
     shape = 1.0 / (1.0 - pi[tail])
     gamma_scale = 1.0 - pi[tail]
-    acc = np.zeros(np.shape(base.variance_trace))
+    acc = np.zeros(np.shape(base.estimate) if per_coordinate
+                   else np.shape(base.variance_trace))
     offset = np.zeros(pi.shape)
-    for _ in range(int(n_replicates)):
-        weights = rng.gamma(shape, gamma_scale)
-        # A zero draw (possible in floating point for tiny shape) would mean -inf; floor it.
+    for r in range(int(n_replicates)):
+        weights = rng.gamma(shape, gamma_scale) if given is None else given[r][tail]
+        # A zero draw (possible in floating point for tiny shape, and a Poisson count of 0)
+        # would mean -inf; floor it.
         offset[tail] = np.log(np.maximum(weights, 1e-300))
         rep = hajek_attention(query, keys, values, pi, keep, scale=scale, variance="trace",
                               query_positions=query_positions, logit_offset=offset)
-        acc += ((rep.estimate - base.estimate) ** 2).sum(axis=-1)
+        dev2 = (rep.estimate - base.estimate) ** 2
+        acc += dev2 if per_coordinate else dev2.sum(axis=-1)
     return acc / int(n_replicates)
 
 

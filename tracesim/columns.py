@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["COLUMN_DOCS", "DESCRIPTION_KEY", "INT_SENTINELS", "METRIC_DOCS", "describe_schema",
-           "describe_table", "description", "nullify_rows", "to_arrow"]
+__all__ = ["BOOTSTRAP_DOCS", "COLUMN_DOCS", "DESCRIPTION_KEY", "INT_SENTINELS", "METRIC_DOCS",
+           "describe_schema", "describe_table", "description", "nullify_rows", "to_arrow"]
 
 DESCRIPTION_KEY = b"description"
 
@@ -193,6 +193,15 @@ METRIC_DOCS: dict[str, str] = {
     "summary_tokens": "memory of the page summaries, token-equivalents per KV head",
 }
 
+#: Columns of replay results written only with the Poisson bootstrap on
+#: (``ReplayOptions.bootstrap = B > 0``), after the metrics.
+BOOTSTRAP_DOCS: dict[str, str] = {
+    "boot_cov": "fraction of coordinates inside the Poisson-bootstrap interval "
+                "z*sqrt(V_boot,jj) (NaN where wald_cov is)",
+    "boot_cert2": "Poisson-bootstrap variance trace tr V_boot over B replicates, in the units "
+                  "of cert2 (NaN unless certified)",
+}
+
 
 def description(name: str) -> str:
     """Description of column ``name`` (:data:`COLUMN_DOCS`, else :data:`METRIC_DOCS`)."""
@@ -200,6 +209,8 @@ def description(name: str) -> str:
         return COLUMN_DOCS[name]
     if name in METRIC_DOCS:
         return METRIC_DOCS[name].replace("NaN", "null")
+    if name in BOOTSTRAP_DOCS:
+        return BOOTSTRAP_DOCS[name].replace("NaN", "null")
     return ""
 
 

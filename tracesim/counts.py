@@ -17,9 +17,10 @@ from typing import Any
 
 from tracesim.errors import UsageError
 
-__all__ = ["DECODE_EVERY", "GRID_CONFIGS", "GRID_PARTS", "LAYER_INDEX", "LAYERS", "SEEDS",
-           "SEED_VALUE", "SEQUENCES", "SUMMARY_PAGE", "SYNTH_LAYERS", "SYNTH_POSITIONS",
-           "SYNTH_SEQUENCES", "TIERS_SEEDS", "Count", "check_finite", "parse_int"]
+__all__ = ["BOOTSTRAP_REPLICATES", "DECODE_EVERY", "GRID_CONFIGS", "GRID_PARTS", "LAYER_INDEX",
+           "LAYERS", "SEEDS", "SEED_VALUE", "SEQUENCES", "SUMMARY_PAGE", "SYNTH_LAYERS",
+           "SYNTH_POSITIONS", "SYNTH_SEQUENCES", "TIERS_SEEDS", "Count", "check_finite",
+           "parse_int"]
 
 ErrorType = type[Exception]
 
@@ -124,6 +125,9 @@ LAYER_INDEX = Count("layer index", 4095, lo=0)
 SEQUENCES = Count("sequences", 1_000_000)
 #: Page size (positions) of the deterministic-bound summaries; 0 = none.
 SUMMARY_PAGE = Count("positions per summary page", 1 << 20, lo=0)
+#: Poisson-bootstrap replicates per row (0 = off; 1 is refused where it is checked: a variance
+#: needs two replicates).
+BOOTSTRAP_REPLICATES = Count("bootstrap replicates", 100_000, lo=0)
 #: K of the ``decode:K`` schedule (decode steps between eviction events).
 DECODE_EVERY = Count("decode steps between events", 1 << 20)
 #: Configurations of a whole grid, summed over the mappings of a grid list.

@@ -41,6 +41,30 @@ query at position ``t`` with stream ``STREAM_STEP + t`` = ``2**31 + t`` (:func:`
 so each step's sample is independent of every other step's and of stream 0, and the same
 ``(seed, layer, kv_head, position)`` key is reused; ``t < 2**31``. Stream 2 seeds the SimHash
 proxy's hyperplanes (:data:`STREAM_HASH`).
+
+**Bootstrap multipliers** (:func:`bootstrap_weights`, stream :data:`STREAM_BOOTSTRAP` = 3).
+The Poisson-bootstrap replicate ``r`` of the kept sample drawn with stream ``sample_stream``
+(0 for the permanent uniforms, ``step_stream(t)`` for a fresh per-step sample) gives the kept
+token at ``position`` of ``(seed, layer, kv_head)`` the multiplier ``N ~ Poisson(1)`` read off
+the uniform of a longer key, every argument in ``[0, 2**32)``::
+
+    h = mix32(seed     ^ 0x243F6A88)
+    h = mix32(h ^ 3            ^ 0x85A308D3)
+    h = mix32(h ^ layer        ^ 0x13198A2E)
+    h = mix32(h ^ kv_head      ^ 0x03707344)
+    h = mix32(h ^ position     ^ 0xA4093822)
+    h = mix32(h ^ replicate    ^ 0x082EFA98)
+    h = mix32(h ^ sample_stream ^ 0xEC4E6C89)
+    g = mix32(h ^ 0x299F31D0)
+
+``u`` from ``(h, g)`` as above, then inversion of the Poisson(1) distribution function with
+float64 operations only (each correctly rounded, so the result is the same everywhere)::
+
+    p = 0.36787944117144233   (exp(-1), float64 0x3FD78B56362CEF38)
+    c = p;  N = 0
+    while u > c and N < 20:  N = N + 1;  p = p / N;  c = c + p
+
+(``N = 20`` caps the tail, whose probability is below 1e-19.)
 """
 
 from __future__ import annotations
@@ -49,11 +73,14 @@ import numba as nb
 import numpy as np
 
 __all__ = [
+    "BOOTSTRAP_MAX_COUNT",
     "PRN_VERSION",
+    "STREAM_BOOTSTRAP",
     "STREAM_HASH",
     "STREAM_INCLUSION",
     "STREAM_PERTURBATION",
     "STREAM_STEP",
+    "bootstrap_weights",
     "permanent_uniforms",
     "step_stream",
     "uniform_grid",
@@ -63,7 +90,11 @@ PRN_VERSION = 1
 STREAM_INCLUSION = 0
 STREAM_PERTURBATION = 1
 STREAM_HASH = 2
+#: Stream of the Poisson-bootstrap multipliers (:func:`bootstrap_weights`).
+STREAM_BOOTSTRAP = 3
 STREAM_STEP = 1 << 31
+#: Largest Poisson(1) multiplier :func:`bootstrap_weights` draws (the tail beyond is < 1e-19).
+BOOTSTRAP_MAX_COUNT = 20
 
 
 def step_stream(position: int) -> int:
@@ -85,6 +116,10 @@ _K_LAYER = np.uint64(0x13198A2E)
 _K_HEAD = np.uint64(0x03707344)
 _K_POS = np.uint64(0xA4093822)
 _K_FINAL = np.uint64(0x299F31D0)
+_K_REPLICATE = np.uint64(0x082EFA98)
+_K_SAMPLE = np.uint64(0xEC4E6C89)
+_S_BOOTSTRAP = np.uint64(STREAM_BOOTSTRAP)
+_EXP_MINUS_ONE = 0.36787944117144233
 _TWO26 = 67108864.0
 _TWO52 = 4503599627370496.0
 
@@ -112,6 +147,73 @@ def _uniform(seed: np.uint64, stream: np.uint64, layer: np.uint64, kv_head: np.u
     hi = float(h >> _S6)
     lo = float(g >> _S6)
     return (hi * _TWO26 + lo + 0.5) / _TWO52
+
+
+@nb.njit(cache=True)
+def bootstrap_count(seed, layer, kv_head, position, replicate, sample_stream):
+    """Poisson(1) multiplier of one kept token in one bootstrap replicate (module docstring).
+
+    Every argument is an integer in ``[0, 2**32)``; returns a float64 integer in ``[0, 20]``.
+    For compiled callers (the replay's bootstrap kernel)."""
+    h = _mix32(np.uint64(seed) ^ _K_SEED)
+    h = _mix32(h ^ _S_BOOTSTRAP ^ _K_STREAM)
+    h = _mix32(h ^ np.uint64(layer) ^ _K_LAYER)
+    h = _mix32(h ^ np.uint64(kv_head) ^ _K_HEAD)
+    h = _mix32(h ^ np.uint64(position) ^ _K_POS)
+    h = _mix32(h ^ np.uint64(replicate) ^ _K_REPLICATE)
+    h = _mix32(h ^ np.uint64(sample_stream) ^ _K_SAMPLE)
+    g = _mix32(h ^ _K_FINAL)
+    u = (float(h >> _S6) * _TWO26 + float(g >> _S6) + 0.5) / _TWO52
+    p = _EXP_MINUS_ONE
+    c = p
+    n = 0
+    while u > c and n < BOOTSTRAP_MAX_COUNT:
+        n += 1
+        p = p / n
+        c = c + p
+    return float(n)
+
+
+@nb.njit(cache=True)
+def _bootstrap_weights_kernel(seed, layer, kv_head, positions, sample_stream, out):
+    for r in range(out.shape[0]):
+        for i in range(positions.size):
+            out[r, i] = bootstrap_count(seed, layer, kv_head, positions[i], r, sample_stream)
+
+
+def bootstrap_weights(seed: int, layer: int, kv_head: int, positions: np.ndarray,
+                      n_replicates: int, *, sample_stream: int = STREAM_INCLUSION) -> np.ndarray:
+    """Poisson(1) bootstrap multipliers of kept tokens, from the permanent random numbers.
+
+    Parameters
+    ----------
+    seed, layer, kv_head : int
+        Key components, each in ``[0, 2**32)``.
+    positions : array_like of int, shape (n,)
+        Token positions, each in ``[0, 2**32)``.
+    n_replicates : int
+        Replicates ``r = 0 .. n_replicates - 1``.
+    sample_stream : int, default 0
+        Stream of the kept sample being resampled: 0 for the permanent uniforms,
+        :func:`step_stream` ``(t)`` for the fresh per-step sample of the query at ``t``.
+
+    Returns
+    -------
+    numpy.ndarray of float64, shape (n_replicates, n)
+        Integer-valued multipliers in ``[0, BOOTSTRAP_MAX_COUNT]``, mean 1 and variance 1;
+        identical on every platform and for every call order (see the module docstring).
+    """
+    pos = np.atleast_1d(np.asarray(positions)).astype(np.int64)
+    if pos.size and (pos.min() < 0 or pos.max() >= 2**32):
+        raise ValueError("positions must lie in [0, 2**32)")
+    n_rep = int(n_replicates)
+    if n_rep < 0:
+        raise ValueError(f"n_replicates = {n_replicates}: expected >= 0")
+    out = np.empty((n_rep, pos.size))
+    _bootstrap_weights_kernel(int(_as_u32(seed, "seed")), int(_as_u32(layer, "layer")),
+                              int(_as_u32(kv_head, "kv_head")), pos,
+                              int(_as_u32(sample_stream, "sample_stream")), out)
+    return out
 
 
 @nb.njit(cache=True)

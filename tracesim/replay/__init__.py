@@ -27,10 +27,16 @@ from tracesim.replay.engine import (
     evaluated_queries,
     replay_layer,
 )
-from tracesim.replay.results import METRICS, RESULT_COLUMNS, layer_batch, result_schema
+from tracesim.replay.results import (
+    BOOTSTRAP_COLUMNS,
+    METRICS,
+    RESULT_COLUMNS,
+    layer_batch,
+    result_schema,
+)
 
 __all__ = [
-    "METRICS", "RESULT_COLUMNS", "LayerResult", "ReplayOptions", "ReplaySetup",
+    "BOOTSTRAP_COLUMNS", "METRICS", "RESULT_COLUMNS", "LayerResult", "ReplayOptions", "ReplaySetup",
     "evaluated_queries",
     "iter_replay", "layer_batch", "load_layer", "replay", "replay_layer", "result_schema",
     "verify_sequence",
@@ -220,7 +226,8 @@ def replay(
     Returns
     -------
     pyarrow.Table
-        Columns :data:`RESULT_COLUMNS` (documented in ``docs/replay.md``).
+        Columns :data:`RESULT_COLUMNS` (documented in ``docs/replay.md``), then
+        :data:`BOOTSTRAP_COLUMNS` when ``options.bootstrap > 0``.
     """
     if isinstance(store, (str, bytes)) or hasattr(store, "__fspath__"):
         from tracesim.store import open_store
@@ -228,4 +235,5 @@ def replay(
         store = open_store(store)
     batches = list(iter_replay(store, configs, seeds=seeds, layers=layers, sequences=sequences,
                                per_seed=per_seed, progress=progress, options=options))
-    return pa.Table.from_batches(batches, schema=result_schema())
+    boot = options is not None and options.bootstrap > 0
+    return pa.Table.from_batches(batches, schema=result_schema(boot))

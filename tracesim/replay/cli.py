@@ -95,6 +95,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="value GEMMs in float64 (reference, default) or float32")
     p.add_argument("--satterthwaite", action="store_true",
                    help="also compute tr(V^2) for the vector-level event (slow)")
+    p.add_argument("--bootstrap", type=int, default=0, metavar="B",
+                   help="Poisson-bootstrap replicates per certified row (columns boot_cov, "
+                   "boot_cert2; about B times the estimate's cost); 0 = off (default 0)")
     p.add_argument("--no-output-space", action="store_true",
                    help="skip the per-layer output-space (GQA) certificate and error")
     p.add_argument("--threads", type=int, default=None,
@@ -184,7 +187,14 @@ def build_policies(args: argparse.Namespace) -> list:
 
 def _check_args(args: argparse.Namespace) -> Path:
     """Every argument check that needs no file: raise UsageError before anything is opened."""
-    from tracesim.counts import LAYER_INDEX, LAYERS, SEEDS, SEQUENCES, SUMMARY_PAGE
+    from tracesim.counts import (
+        BOOTSTRAP_REPLICATES,
+        LAYER_INDEX,
+        LAYERS,
+        SEEDS,
+        SEQUENCES,
+        SUMMARY_PAGE,
+    )
     from tracesim.errors import UsageError, check_int, check_out_dir, check_threads
     from tracesim.policies.grid import parse_schedule
 
@@ -205,6 +215,10 @@ def _check_args(args: argparse.Namespace) -> Path:
     check_threads(args.threads)
     if args.window is not None:
         check_int(args.window, "--window", 0)
+    BOOTSTRAP_REPLICATES.check(args.bootstrap, "--bootstrap")
+    if args.bootstrap == 1:
+        raise UsageError("--bootstrap: 1 is not a number of bootstrap replicates, expected 0 "
+                         "(off) or at least 2")
     from tracesim.outpaths import check_output
 
     check_output(args.out, [("trace store", args.traces)])
@@ -268,7 +282,8 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
     from tracesim.replay import ReplayOptions, iter_replay, result_schema
 
     options = ReplayOptions(output_space=not args.no_output_space,
-                            satterthwaite=args.satterthwaite, precision=args.precision)
+                            satterthwaite=args.satterthwaite, precision=args.precision,
+                            bootstrap=args.bootstrap)
     from tracesim.provenance import prereg_record
 
     # hashed before any result is written: a prereg that cannot be read (a FIFO, a /proc
@@ -280,7 +295,8 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
     try:
         # all three files or none: a failure writing any of them leaves the earlier set
         with atomic_files(out, list(OUTPUT_FILES)) as stage:
-            with atomic_parquet(stage / "replay.parquet", result_schema()) as writer:
+            with atomic_parquet(stage / "replay.parquet",
+                                result_schema(options.bootstrap > 0)) as writer:
                 for batch in iter_replay(store, policies, seeds=args.seeds, layers=args.layers,
                                          sequences=args.sequences, per_seed=args.per_seed,
                                          progress=not args.no_progress, options=options,

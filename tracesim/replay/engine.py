@@ -17,8 +17,10 @@ import scipy.linalg.cython_blas  # noqa: F401  (loaded before the thread limit i
 from scipy import special  # t and normal quantiles (scipy.stats is slow to import)
 from threadpoolctl import ThreadpoolController
 
+from tracesim.counts import BOOTSTRAP_REPLICATES
 from tracesim.kernels.bounds import N_BOUND_FIELDS, bound_kernel
-from tracesim.kernels.replay import N_FIELDS, N_LAYER_FIELDS, replay_kernel
+from tracesim.kernels.replay import F_WALD, N_FIELDS, N_LAYER_FIELDS, replay_kernel
+from tracesim.kernels.replay_bootstrap import B_COV, N_BOOT_FIELDS, bootstrap_kernel
 from tracesim.kernels.replay_events import (
     check_exp_range,
     event_parts,
@@ -36,7 +38,8 @@ from tracesim.kernels.replay_operands import (
 from tracesim.policies import LayerTrace, Policy
 from tracesim.replay.inclusion import InclusionTables, build_inclusion, seed_uniforms
 
-__all__ = ["LAYER_ERROR_BLOCK", "LOGIT_BUDGET_BYTES", "OUTPUT_CHECK_TOLERANCE", "PRECISIONS",
+__all__ = ["LAYER_ERROR_BLOCK", "LOGIT_BUDGET_BYTES", "MAX_BOOTSTRAP", "OUTPUT_CHECK_TOLERANCE",
+           "PRECISIONS",
            "GramBlocks", "LayerResult", "ReplayOptions", "ReplaySetup", "evaluated_queries",
            "gram_blocks", "query_chunk", "replay_layer", "t_table", "token_quadratic_forms"]
 
@@ -51,6 +54,8 @@ LOGIT_BUDGET_BYTES = 64 << 20
 PRECISIONS = ("float64", "float32")
 #: Positions per block when forming the per-token quadratic forms ``v^T Gamma v``.
 POSITION_CHUNK = 16384
+#: Largest accepted ``ReplayOptions.bootstrap`` (replicates per row).
+MAX_BOOTSTRAP = BOOTSTRAP_REPLICATES.hi
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,10 @@ class ReplayOptions:
         stay float64. ``float64`` is the
         reference mode (agreement with the plain-numpy replay to 1e-10); ``float32`` agrees
         to the tolerance documented in ``docs/replay.md`` and halves the logit memory.
+    bootstrap : int, default 0
+        Poisson-bootstrap replicates B per certified row (columns ``boot_cov``,
+        ``boot_cert2``); 0 = off (no bootstrap work, and the columns are absent), else
+        ``2 <= B <=`` :data:`MAX_BOOTSTRAP`. Costs about B times the estimate per row.
     """
 
     alpha: float = 0.05
@@ -84,6 +93,7 @@ class ReplayOptions:
     satterthwaite: bool = False
     roles: tuple[str, ...] | None = None
     precision: str = "float64"
+    bootstrap: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < float(self.alpha) < 1.0:
@@ -91,6 +101,11 @@ class ReplayOptions:
         if self.precision not in PRECISIONS:
             raise ValueError(f"ReplayOptions.precision = {self.precision!r}: expected one of "
                              f"{PRECISIONS}")
+        b = self.bootstrap
+        if (isinstance(b, bool) or not isinstance(b, (int, np.integer))
+                or not (b == 0 or 2 <= b <= MAX_BOOTSTRAP)):
+            raise ValueError(f"ReplayOptions.bootstrap = {b!r}: expected 0 (off) or an integer "
+                             f"in [2, {MAX_BOOTSTRAP}]")
 
 
 def evaluated_queries(trace: LayerTrace, roles: tuple[str, ...] | None = None) -> np.ndarray:
@@ -125,6 +140,9 @@ class LayerResult:
         Page-summary bound, missing-mass bound and summary memory
         (:mod:`tracesim.kernels.bounds`); NaN for policies without summaries, None if no
         policy has any.
+    boot : ndarray, shape (n_iter, n_heads, n_query, N_BOOT_FIELDS), or None
+        Poisson-bootstrap coverage and variance (:mod:`tracesim.kernels.replay_bootstrap`);
+        None when ``options.bootstrap`` is 0.
     """
 
     trace: LayerTrace
@@ -140,6 +158,7 @@ class LayerResult:
     seeds: np.ndarray
     options: ReplayOptions
     bounds: np.ndarray | None = None
+    boot: np.ndarray | None = None
 
     @property
     def output_check_relative(self) -> float:
@@ -372,6 +391,8 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
         n_it = tables.it_cfg.size
         out = np.empty((n_it, H, NQ, N_FIELDS))
         lout = np.empty((n_it, NQ, N_LAYER_FIELDS))
+        n_boot = int(options.bootstrap)
+        boot = np.empty((n_it, H, NQ, N_BOOT_FIELDS)) if n_boot else None
         iterations = IterationTables(it_cfg=tables.it_cfg, it_seed=tables.it_seed,
                                      it_slot=tables.it_slot, it_kslot=tables.it_kslot,
                                      flags=flags, u=u, seed_values=seeds, layer=int(trace.layer))
@@ -405,6 +426,11 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
             lo = lout if whole else np.empty((n_it, nq, N_LAYER_FIELDS))
             replay_kernel(layer, incl, iterations, certificate, event_parts(layer, incl),
                           output_space, ReplayOutputs(out=o, lout=lo))
+            if boot is not None:
+                bo = boot if whole else np.empty((n_it, H, nq, N_BOOT_FIELDS))
+                bootstrap_kernel(layer, incl, iterations, setup.z, n_boot, bo)
+                if not whole:
+                    boot[:, :, q0:q1] = bo
             del E, layer  # the next chunk's logits must not coexist with these
             truth[:, q0:q1] = tr
             zfull[:, q0:q1] = zf
@@ -416,10 +442,14 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
             check = np.abs(trace.outputs[:, qidx] - truth).max(axis=2)
         truth_norm = np.linalg.norm(truth, axis=2)
         bounds = _bound_pass(trace, policies, qidx, qpos, tables, kmask, u)
+        if boot is not None:
+            # Coverage is defined where the Wald column is (certified rows with a tail).
+            boot[..., B_COV] = np.where(np.isnan(out[..., F_WALD]), np.nan, boot[..., B_COV])
     return LayerResult(trace=trace, policies=list(policies), out=out, lout=lout, tables=tables,
                        query_index=qidx, query_positions=qpos,
                        query_roles=[trace.query_roles[i] for i in qidx], output_check=check,
-                       truth_norm=truth_norm, seeds=seeds, options=options, bounds=bounds)
+                       truth_norm=truth_norm, seeds=seeds, options=options, bounds=bounds,
+                       boot=boot)
 
 
 def _bound_pass(trace: LayerTrace, policies: list[Policy], qidx: np.ndarray, qpos: np.ndarray,

@@ -15,10 +15,11 @@ from tracesim.columns import METRIC_DOCS, describe_schema, to_arrow
 from tracesim.coverage import satterthwaite_quantile
 from tracesim.kernels import bounds as KB
 from tracesim.kernels import replay as K
+from tracesim.kernels import replay_bootstrap as KBOOT
 from tracesim.policies import POLICY_COLUMNS
 from tracesim.replay.engine import LayerResult
 
-__all__ = ["METRICS", "RESULT_COLUMNS", "layer_batch", "result_schema"]
+__all__ = ["BOOTSTRAP_COLUMNS", "METRICS", "RESULT_COLUMNS", "layer_batch", "result_schema"]
 
 #: Metric columns: name -> (kernel field or None, description). Means over seeds unless noted.
 #: The descriptions (and the order) are :data:`tracesim.columns.METRIC_DOCS`; the kernel
@@ -62,6 +63,16 @@ RESULT_COLUMNS: dict[str, pa.DataType] = {
     "truth_norm": pa.float64(), "output_check": pa.float64(),
     **{name: pa.float64() for name in METRICS},
 }
+
+
+#: Columns written after :data:`RESULT_COLUMNS` only when ``ReplayOptions.bootstrap > 0``
+#: (descriptions in :data:`tracesim.columns.BOOTSTRAP_DOCS`).
+BOOTSTRAP_COLUMNS: dict[str, pa.DataType] = {"boot_cov": pa.float64(),
+                                             "boot_cert2": pa.float64()}
+
+
+def _columns(bootstrap: bool) -> dict[str, pa.DataType]:
+    return {**RESULT_COLUMNS, **BOOTSTRAP_COLUMNS} if bootstrap else RESULT_COLUMNS
 
 
 def _satterthwaite(out: np.ndarray, lerr: np.ndarray, alpha: float) -> tuple[np.ndarray, ...]:
@@ -113,12 +124,17 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
                   layer_err2=np.broadcast_to(lout[:, None, :, K.L_ERR2], out.shape[:3]),
                   layer_cert2=np.broadcast_to(lout[:, None, :, K.L_CERT2], out.shape[:3]))
     per_it.update(_bound_metrics(result))
+    bootstrap = result.boot is not None
+    if bootstrap:
+        per_it.update(boot_cov=result.boot[..., KBOOT.B_COV],
+                      boot_cert2=result.boot[..., KBOOT.B_CERT2])
     if per_seed:
         groups = [np.array([i]) for i in range(tabs.it_cfg.size)]
     else:
         bounds = np.flatnonzero(np.diff(tabs.it_cfg)) + 1
         groups = np.split(np.arange(tabs.it_cfg.size), bounds)
-    cols: dict[str, list[np.ndarray]] = {name: [] for name in RESULT_COLUMNS}
+    columns = _columns(bootstrap)
+    cols: dict[str, list[np.ndarray]] = {name: [] for name in columns}
     n_rows = H * NQ
     head = np.repeat(np.arange(H), NQ)
     qi = np.tile(np.arange(NQ), H)
@@ -155,7 +171,7 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
              "layer": tr.layer,
              "prompt_length": tr.prompt_length, "n_positions": tr.n_positions}
     arrays = []
-    for name, typ in RESULT_COLUMNS.items():
+    for name, typ in columns.items():
         if name in const:
             values = np.full(n_total, const[name],
                              dtype=object if isinstance(const[name], str) else None)
@@ -163,9 +179,10 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
             values = np.concatenate(cols[name])
         # Not applicable (NaN, seed -1, every 0, "") becomes a Parquet null.
         arrays.append(to_arrow(name, values, typ))
-    return pa.RecordBatch.from_arrays(arrays, schema=result_schema())
+    return pa.RecordBatch.from_arrays(arrays, schema=result_schema(bootstrap))
 
 
-def result_schema() -> pa.Schema:
-    """Arrow schema of replay results, every field with its description."""
-    return describe_schema(pa.schema([pa.field(n, t) for n, t in RESULT_COLUMNS.items()]))
+def result_schema(bootstrap: bool = False) -> pa.Schema:
+    """Arrow schema of replay results, every field with its description; ``bootstrap`` adds
+    :data:`BOOTSTRAP_COLUMNS` (``ReplayOptions.bootstrap > 0``)."""
+    return describe_schema(pa.schema([pa.field(n, t) for n, t in _columns(bootstrap).items()]))

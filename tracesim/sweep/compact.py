@@ -54,7 +54,10 @@ def compact(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[str],
                                            t.layers, t.configs))
     path = Path(dest) if dest is not None else out_dir / RESULTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    schema = sweep_schema()
+    # Every task of one spec shares its options, so the first file says whether the sweep
+    # carries the bootstrap columns; the writer refuses a later file that differs.
+    schema = sweep_schema(bool(ordered) and "boot_cov" in pq.ParquetFile(
+        out_dir / ordered[0].path).schema_arrow.names)
     rows = 0
     with atomic_output(path, unique=True) as fh, pq.ParquetWriter(
             fh, schema, compression="zstd") as writer:

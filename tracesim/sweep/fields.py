@@ -13,12 +13,12 @@ from typing import Any
 
 from tracesim.counts import LAYER_INDEX, LAYERS, SEED_VALUE, SEEDS
 from tracesim.policies.grid import SpecError
-from tracesim.replay.engine import ReplayOptions
+from tracesim.replay.engine import MAX_BOOTSTRAP, ReplayOptions
 
 __all__ = ["MAX_LAYER", "MAX_SEED", "MAX_SEEDS"]
 
 _OPTION_KEYS = {"alpha": "float", "output_space": "bool", "satterthwaite": "bool",
-                "roles": "list", "precision": "precision"}
+                "roles": "list", "precision": "precision", "bootstrap": "replicates"}
 _ROLES = ("context_window", "question_window", "decode", "all")
 #: Limits checked before anything is expanded (docs/sweeps.md, "Limits").
 MAX_SEEDS = SEEDS.hi  # number of seeds, in either spelling (tracesim.counts)
@@ -141,6 +141,10 @@ def _options(value: Any, where: str) -> ReplayOptions:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
                 raise SpecError(f"{k}: expected a number in (0, 1), got {v!r}")
             v = float(v)
+        if kind == "replicates" and (isinstance(v, bool) or not isinstance(v, int)
+                                     or not (v == 0 or 2 <= v <= MAX_BOOTSTRAP)):
+            raise SpecError(f"{k}: expected 0 (off) or an integer in [2, {MAX_BOOTSTRAP}] "
+                            f"(bootstrap replicates), got {v!r}")
         if kind == "precision" and v not in ("float64", "float32"):
             raise SpecError(f"{k}: expected 'float64' or 'float32', got {v!r}")
         if kind == "list":

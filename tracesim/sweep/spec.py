@@ -50,7 +50,8 @@ SPEC_KEYS: dict[str, str] = {
     "grid": "the policy grid (see tracesim.policies.grid)",
     "seeds": "number of seeds n (0..n-1) or a list of distinct ints (default 32)",
     "record": "'aggregated' (default: means over seeds) or 'per_seed'",
-    "options": "replay options {alpha, output_space, satterthwaite, roles, precision}",
+    "options": "replay options {alpha, output_space, satterthwaite, roles, precision, "
+               "bootstrap}",
     "partition": "{layers_per_task: int (default 1), max_task_memory_mb: int (default 1024)}",
     "output": "output directory (or --out)",
     "prereg": "pre-registration file whose sha256 the summary records",
@@ -58,6 +59,15 @@ SPEC_KEYS: dict[str, str] = {
 _SEQ_KEYS = ("ids", "tasks", "limit")
 _PARTITION_KEYS = ("layers_per_task", "max_task_memory_mb")
 MAX_SPEC_BYTES = 1 << 20  # size of a spec file (docs/sweeps.md, "Limits")
+
+
+def _hashed_options(options: ReplayOptions) -> dict[str, Any]:
+    """The options as hashed: ``bootstrap`` only when on, so specs without it keep the hash
+    (and the finished task files) they had before the option existed."""
+    doc = asdict(options)
+    if not doc["bootstrap"]:
+        del doc["bootstrap"]
+    return doc
 
 
 def code_fingerprint() -> str:
@@ -139,7 +149,7 @@ class SweepSpec:
         code = code_fingerprint() if code is None else code
         doc = {"format": SWEEP_FORMAT, "version": __version__, "code": code,
                "configs": [p.to_json() for p in self.policies], "seeds": list(self.seeds),
-               "record": self.record, "options": asdict(self.options)}
+               "record": self.record, "options": _hashed_options(self.options)}
         from tracesim.plugins import plugin_provenance
 
         plugins = plugin_provenance(self.policies)

@@ -37,13 +37,15 @@ _N_FIELDS = 18          # per-(iteration, head, query) float64 fields of the ker
 _ROW_BYTES = 8 * 64     # bytes per result row in flight (Arrow batch + numpy intermediates)
 
 
-def sweep_schema() -> pa.Schema:
-    """Schema of task files and of the compacted results: ``store``, ``model_id``, replay's."""
+def sweep_schema(bootstrap: bool = False) -> pa.Schema:
+    """Schema of task files and of the compacted results: ``store``, ``model_id``, replay's
+    (with the bootstrap columns when ``bootstrap``, i.e. ``options.bootstrap > 0``)."""
     from tracesim.columns import describe_schema
     from tracesim.replay import result_schema
 
     return describe_schema(pa.schema([pa.field("store", pa.string()),
-                                      pa.field("model_id", pa.string()), *result_schema()]))
+                                      pa.field("model_id", pa.string()),
+                                      *result_schema(bootstrap)]))
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,7 @@ def task_file_ok(out_dir: Path, task: Task) -> bool:
         md = loads_json((f.schema_arrow.metadata or {})[META_KEY], f"{path}: metadata")
         return (md.get("key") == task.key and f.metadata.num_rows == task.rows
                 and md.get("rows") == task.rows
-                and f.schema_arrow.remove_metadata().equals(sweep_schema()))
+                and any(f.schema_arrow.remove_metadata().equals(sweep_schema(b))
+                        for b in (False, True)))
     except (OSError, KeyError, ValueError, pa.ArrowException):
         return False

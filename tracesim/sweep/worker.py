@@ -162,6 +162,8 @@ def write_configs(out_dir: Path, plan: Any, spec: Any) -> Path:
                        "satterthwaite": opts.satterthwaite, "precision": opts.precision,
                        "roles": None if opts.roles is None else list(opts.roles)},
            "configs": configs}
+    if opts.bootstrap:  # absent when off: the file of a sweep without it is unchanged
+        doc["options"]["bootstrap"] = opts.bootstrap
     path = Path(out_dir) / "configs.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps(doc, indent=1).encode(), unique=True)
@@ -190,6 +192,7 @@ def _configs(out_dir: str, spec_hash: str):
         options = ReplayOptions(alpha=o["alpha"], output_space=o["output_space"],
                                 satterthwaite=o["satterthwaite"],
                                 precision=o.get("precision", "float64"),
+                                bootstrap=o.get("bootstrap", 0),
                                 roles=None if o["roles"] is None else tuple(o["roles"]))
         _CONFIGS[key] = (policies, np.asarray(doc["seeds"], dtype=np.int64),
                          doc["record"] == "per_seed", options)
@@ -254,7 +257,7 @@ def execute_task(task: Any, out_dir: str, spec_hash: str, threads: int) -> dict[
     meta = {"key": task.key, "spec_hash": spec_hash, "rows": task.rows, "store": task.store,
             "sequence_id": task.sequence_id, "layers": list(task.layers),
             "configs": list(task.configs)}
-    schema = sweep_schema().with_metadata({META_KEY: json.dumps(meta)})
+    schema = sweep_schema(options.bootstrap > 0).with_metadata({META_KEY: json.dumps(meta)})
     a, b = task.configs
     n = 0
     with atomic_output(path, unique=True) as fh, pq.ParquetWriter(
