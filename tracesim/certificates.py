@@ -48,9 +48,9 @@ def bootstrap_certificate(
         (run seed, layer, head) for results that do not depend on the order of work.
         Ignored with ``replicate_weights``.
     replicate_weights : ndarray, shape (n_replicates, N), optional
-        Given multipliers instead of the Gamma draws (e.g. the replay's Poisson(1) multipliers
-        from :func:`tracesim.prn.bootstrap_weights`); only the kept tail tokens' entries are
-        read, and ``n_replicates`` is the number of rows.
+        Given multipliers instead of the Gamma draws (e.g. the replay's multipliers from
+        :func:`tracesim.prn.bootstrap_weights` with the tokens' ``pi``); only the kept tail
+        tokens' entries are read, and ``n_replicates`` is the number of rows.
     per_coordinate : bool, default False
         Return the per-coordinate variances (shape ``(n_q, d)``) instead of their sum.
 

@@ -45,8 +45,12 @@ proxy's hyperplanes (:data:`STREAM_HASH`).
 **Bootstrap multipliers** (:func:`bootstrap_weights`, stream :data:`STREAM_BOOTSTRAP` = 3).
 The Poisson-bootstrap replicate ``r`` of the kept sample drawn with stream ``sample_stream``
 (0 for the permanent uniforms, ``step_stream(t)`` for a fresh per-step sample) gives the kept
-token at ``position`` of ``(seed, layer, kv_head)`` the multiplier ``N ~ Poisson(1)`` read off
-the uniform of a longer key, every argument in ``[0, 2**32)``::
+token at ``position`` of ``(seed, layer, kv_head)``, whose inclusion probability is ``pi``, a
+multiplier ``N`` with mean 1 and variance ``1 - pi`` -- the variance of the Poisson design
+itself, as the ``Gamma(1/(1-pi), 1-pi)`` multipliers of :func:`tracesim.certificates.
+bootstrap_certificate` have, but drawn with correctly rounded float64 operations only: ``N = 1``
+with probability ``pi``, otherwise ``N ~ Poisson(1)``. Both are read off one uniform of a
+longer key, every argument in ``[0, 2**32)``::
 
     h = mix32(seed     ^ 0x243F6A88)
     h = mix32(h ^ 3            ^ 0x85A308D3)
@@ -57,12 +61,15 @@ the uniform of a longer key, every argument in ``[0, 2**32)``::
     h = mix32(h ^ sample_stream ^ 0xEC4E6C89)
     g = mix32(h ^ 0x299F31D0)
 
-``u`` from ``(h, g)`` as above, then inversion of the Poisson(1) distribution function with
-float64 operations only (each correctly rounded, so the result is the same everywhere)::
+``u`` from ``(h, g)`` as above; ``N = 1`` if ``u < pi``; otherwise ``u = (u - pi) / (1 - pi)``
+(uniform on ``(0, 1)`` given ``u >= pi``) and inversion of the Poisson(1) distribution function
+with float64 operations only (each correctly rounded, so the result is the same everywhere)::
 
     p = 0.36787944117144233   (exp(-1), float64 0x3FD78B56362CEF38)
     c = p;  N = 0
     while u > c and N < 20:  N = N + 1;  p = p / N;  c = c + p
+
+(``pi = 0`` gives plain Poisson(1) multipliers, variance 1; ``pi >= 1`` gives 1.)
 
 (``N = 20`` caps the tail, whose probability is below 1e-19.)
 """
@@ -150,11 +157,13 @@ def _uniform(seed: np.uint64, stream: np.uint64, layer: np.uint64, kv_head: np.u
 
 
 @nb.njit(cache=True)
-def bootstrap_count(seed, layer, kv_head, position, replicate, sample_stream):
-    """Poisson(1) multiplier of one kept token in one bootstrap replicate (module docstring).
+def bootstrap_count(seed, layer, kv_head, position, replicate, sample_stream, pi):
+    """Multiplier of one kept token with inclusion probability ``pi`` in one bootstrap
+    replicate: 1 with probability ``pi``, else Poisson(1) (mean 1, variance ``1 - pi``; module
+    docstring).
 
-    Every argument is an integer in ``[0, 2**32)``; returns a float64 integer in ``[0, 20]``.
-    For compiled callers (the replay's bootstrap kernel)."""
+    Every argument but ``pi`` (float64) is an integer in ``[0, 2**32)``; returns a float64
+    integer in ``[0, 20]``. For compiled callers (the replay's bootstrap kernel)."""
     h = _mix32(np.uint64(seed) ^ _K_SEED)
     h = _mix32(h ^ _S_BOOTSTRAP ^ _K_STREAM)
     h = _mix32(h ^ np.uint64(layer) ^ _K_LAYER)
@@ -164,6 +173,9 @@ def bootstrap_count(seed, layer, kv_head, position, replicate, sample_stream):
     h = _mix32(h ^ np.uint64(sample_stream) ^ _K_SAMPLE)
     g = _mix32(h ^ _K_FINAL)
     u = (float(h >> _S6) * _TWO26 + float(g >> _S6) + 0.5) / _TWO52
+    if u < pi:
+        return 1.0
+    u = (u - pi) / (1.0 - pi)
     p = _EXP_MINUS_ONE
     c = p
     n = 0
@@ -175,15 +187,17 @@ def bootstrap_count(seed, layer, kv_head, position, replicate, sample_stream):
 
 
 @nb.njit(cache=True)
-def _bootstrap_weights_kernel(seed, layer, kv_head, positions, sample_stream, out):
+def _bootstrap_weights_kernel(seed, layer, kv_head, positions, sample_stream, pi, out):
     for r in range(out.shape[0]):
         for i in range(positions.size):
-            out[r, i] = bootstrap_count(seed, layer, kv_head, positions[i], r, sample_stream)
+            out[r, i] = bootstrap_count(seed, layer, kv_head, positions[i], r, sample_stream,
+                                        pi[i])
 
 
 def bootstrap_weights(seed: int, layer: int, kv_head: int, positions: np.ndarray,
-                      n_replicates: int, *, sample_stream: int = STREAM_INCLUSION) -> np.ndarray:
-    """Poisson(1) bootstrap multipliers of kept tokens, from the permanent random numbers.
+                      n_replicates: int, *, pi: np.ndarray | None = None,
+                      sample_stream: int = STREAM_INCLUSION) -> np.ndarray:
+    """Poisson-bootstrap multipliers of kept tokens, from the permanent random numbers.
 
     Parameters
     ----------
@@ -193,6 +207,9 @@ def bootstrap_weights(seed: int, layer: int, kv_head: int, positions: np.ndarray
         Token positions, each in ``[0, 2**32)``.
     n_replicates : int
         Replicates ``r = 0 .. n_replicates - 1``.
+    pi : array_like of float, shape (n,), optional
+        The tokens' inclusion probabilities; a multiplier is 1 with probability ``pi`` and
+        Poisson(1) otherwise. Default 0: plain Poisson(1) multipliers.
     sample_stream : int, default 0
         Stream of the kept sample being resampled: 0 for the permanent uniforms,
         :func:`step_stream` ``(t)`` for the fresh per-step sample of the query at ``t``.
@@ -200,7 +217,8 @@ def bootstrap_weights(seed: int, layer: int, kv_head: int, positions: np.ndarray
     Returns
     -------
     numpy.ndarray of float64, shape (n_replicates, n)
-        Integer-valued multipliers in ``[0, BOOTSTRAP_MAX_COUNT]``, mean 1 and variance 1;
+        Integer-valued multipliers in ``[0, BOOTSTRAP_MAX_COUNT]``, mean 1 and variance
+        ``1 - pi``;
         identical on every platform and for every call order (see the module docstring).
     """
     pos = np.atleast_1d(np.asarray(positions)).astype(np.int64)
@@ -209,10 +227,12 @@ def bootstrap_weights(seed: int, layer: int, kv_head: int, positions: np.ndarray
     n_rep = int(n_replicates)
     if n_rep < 0:
         raise ValueError(f"n_replicates = {n_replicates}: expected >= 0")
+    probs = (np.zeros(pos.size) if pi is None
+             else np.broadcast_to(np.asarray(pi, dtype=np.float64), pos.shape).copy())
     out = np.empty((n_rep, pos.size))
     _bootstrap_weights_kernel(int(_as_u32(seed, "seed")), int(_as_u32(layer, "layer")),
                               int(_as_u32(kv_head, "kv_head")), pos,
-                              int(_as_u32(sample_stream, "sample_stream")), out)
+                              int(_as_u32(sample_stream, "sample_stream")), probs, out)
     return out
 
 

@@ -4,7 +4,8 @@ Run only when ``ReplayOptions.bootstrap = B > 0``, after :func:`tracesim.kernels
 replay_kernel` on the same chunk of queries (that kernel is not touched by this option). For
 one (iteration, KV head, event) unit it gathers the kept set exactly as the replay kernel does
 (:func:`tracesim.kernels.replay_events.gather_kept`, the same permanent or fresh per-step
-uniforms), draws the Poisson(1) multiplier of every kept tail token and replicate from
+uniforms), draws the multiplier (1 with probability pi, else Poisson(1)) of every kept tail
+token and replicate from
 :func:`tracesim.prn.bootstrap_count` (take-all tokens keep weight 1) and, per row (event query,
 group head), forms the replicate estimates
 
@@ -161,6 +162,7 @@ def bootstrap_kernel(layer, incl, its, z_wald, n_replicates, boot):
                 for r in range(n_replicates):
                     for j in range(mt):
                         mult[r, j] = bootstrap_count(seed_values[s], layer_index, g,
-                                                     kept_idx[j], r, sample_stream)
+                                                     kept_idx[j], r, sample_stream,
+                                                     pi[e, g, kept_idx[j]])
                 _unit(layer, qrows, g, G, kept_idx, mt, m, corrected, pi[e, g], mult, z_wald,
                       boot[it])
