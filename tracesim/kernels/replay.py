@@ -36,13 +36,12 @@ from tracesim.kernels.replay_events import (
     S_N_ELIG,
     S_POP,
     estimate_block,
-    gather_kept,
+    event_kept,
     largest_sampled_out,
 )
 from tracesim.kernels.replay_operands import IterationOutputs, KeptUnit
 from tracesim.kernels.replay_output_space import group_variance, layer_error
 from tracesim.kernels.replay_rows import cross_sums, row_sums, tail_sums, trace_sq
-from tracesim.prn import step_uniforms_into
 
 # Fields of ``out[iteration, head, query, :]``.
 F_ERR2, F_REL, F_CERT2, F_CERT2_SMALL, F_TAIL, F_NEFF, F_WALD, F_WALD_T, F_TRV2 = range(9)
@@ -333,8 +332,7 @@ def replay_kernel(layer, incl, its, cert, ev, osp, res):
         Written: ``out[it]`` and ``lout[it]`` of every iteration.
     """
     E, V, rpack = layer.E, layer.V, osp.rpack
-    pi, tau, ev_qptr, ev_q = incl.pi, incl.tau, incl.ev_qptr, incl.ev_q
-    slot_ev, kmask, ev_stream = incl.slot_ev, incl.kmask, incl.ev_stream
+    pi, ev_qptr, ev_q, slot_ev = incl.pi, incl.ev_qptr, incl.ev_q, incl.slot_ev
     it_cfg, it_seed, it_slot, it_kslot = its.it_cfg, its.it_seed, its.it_slot, its.it_kslot
     flags, u, seed_values, layer_index = its.flags, its.u, its.seed_values, its.layer
     lout = res.lout
@@ -361,13 +359,8 @@ def replay_kernel(layer, incl, its, cert, ev, osp, res):
                 qrows = ev_q[ev_qptr[e]:ev_qptr[e + 1]]
                 if qrows.size == 0:
                     continue
-                urow = u[s, g]
-                if ev_stream[e] >= 0:
-                    step_uniforms_into(seed_values[s], ev_stream[e], layer_index, g, tau[e],
-                                       ufresh)
-                    urow = ufresh
-                mt, m, kb, ex = gather_kept(pi[e, g], urow, kmask[max(ks, 0), g], ks >= 0,
-                                            tau[e], keptflag, kept_idx)
+                mt, m, kb, ex = event_kept(incl, e, g, s, ks, u, seed_values, layer_index,
+                                           keptflag, kept_idx, ufresh)
                 unit = KeptUnit(qrows, ev_qptr[e], g, pi[e, g], keptflag, kept_idx, mt, m, kb,
                                 ex, e - slot_ev[slot], ev.nta[e, g], corrected, certify,
                                 fixed_var)

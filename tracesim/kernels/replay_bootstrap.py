@@ -3,7 +3,7 @@
 Run only when ``ReplayOptions.bootstrap = B > 0``, after :func:`tracesim.kernels.replay.
 replay_kernel` on the same chunk of queries (that kernel is not touched by this option). For
 one (iteration, KV head, event) unit it gathers the kept set exactly as the replay kernel does
-(:func:`tracesim.kernels.replay_events.gather_kept`, the same permanent or fresh per-step
+(:func:`tracesim.kernels.replay_events.event_kept`, the same permanent or fresh per-step
 uniforms), draws the multiplier (1 with probability pi, else Poisson(1)) of every kept tail
 token and replicate from
 :func:`tracesim.prn.bootstrap_count` (take-all tokens keep weight 1) and, per row (event query,
@@ -24,8 +24,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from tracesim.kernels.replay_events import gather_kept
-from tracesim.prn import bootstrap_count, step_uniforms_into
+from tracesim.kernels.replay_events import event_kept
+from tracesim.prn import bootstrap_count
 
 # Fields of ``boot[iteration, head, query, :]``.
 B_COV, B_CERT2 = 0, 1
@@ -121,8 +121,8 @@ def bootstrap_kernel(layer, incl, its, z_wald, n_replicates, boot):
         (``B_CERT2``, value units^2); NaN for iterations of uncertified policies.
     """
     E, V = layer.E, layer.V
-    pi, tau, ev_qptr, ev_q = incl.pi, incl.tau, incl.ev_qptr, incl.ev_q
-    slot_ev, kmask, ev_stream = incl.slot_ev, incl.kmask, incl.ev_stream
+    pi, ev_qptr, ev_q = incl.pi, incl.ev_qptr, incl.ev_q
+    slot_ev, ev_stream = incl.slot_ev, incl.ev_stream
     it_cfg, it_seed, it_slot, it_kslot = its.it_cfg, its.it_seed, its.it_slot, its.it_kslot
     flags, u, seed_values, layer_index = its.flags, its.u, its.seed_values, its.layer
     H = E.shape[0]
@@ -149,15 +149,9 @@ def bootstrap_kernel(layer, incl, its, z_wald, n_replicates, boot):
                 qrows = ev_q[ev_qptr[e]:ev_qptr[e + 1]]
                 if qrows.size == 0:
                     continue
-                urow = u[s, g]
-                sample_stream = 0
-                if ev_stream[e] >= 0:
-                    step_uniforms_into(seed_values[s], ev_stream[e], layer_index, g, tau[e],
-                                       ufresh)
-                    urow = ufresh
-                    sample_stream = ev_stream[e]
-                mt, m, _, _ = gather_kept(pi[e, g], urow, kmask[max(ks, 0), g], ks >= 0,
-                                          tau[e], keptflag, kept_idx)
+                mt, m, _, _ = event_kept(incl, e, g, s, ks, u, seed_values, layer_index,
+                                         keptflag, kept_idx, ufresh)
+                sample_stream = max(ev_stream[e], 0)
                 mult = np.empty((n_replicates, mt))
                 for r in range(n_replicates):
                     for j in range(mt):

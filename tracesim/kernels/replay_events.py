@@ -11,6 +11,7 @@ import numba as nb
 import numpy as np
 
 from tracesim.kernels.replay_operands import EventParts, InclusionArrays, LayerArrays
+from tracesim.prn import step_uniforms_into
 
 # Fields of the per-(event query, head) statistics.
 S_POP, S_EV_MASS, S_EV_MAX, S_ELIG_MASS, S_N_ELIG = range(5)
@@ -52,6 +53,24 @@ def gather_kept(pi_row, u_row, kmask_row, use_mask, tau, keptflag, kept_idx):
         if p < tau:
             ex += pi_row[p]
     return mt, m, kb, ex
+
+
+@nb.njit(cache=True)
+def event_kept(incl, e, g, s, ks, u, seed_values, layer_index, keptflag, kept_idx, ufresh):
+    """Kept set of event ``e`` for KV head ``g`` and seed slot ``s`` (:func:`gather_kept`).
+
+    The uniforms are the permanent ones ``u[s, g]``, or, for a fresh per-step sample
+    (``incl.ev_stream[e] >= 0``), that step's own stream drawn into ``ufresh`` (shape (P,));
+    ``ks >= 0`` reads the fixed-size design's kept mask instead. The replay kernel and the
+    bootstrap kernel both gather through here, so they resample exactly the same set.
+    """
+    urow = u[s, g]
+    if incl.ev_stream[e] >= 0:
+        step_uniforms_into(seed_values[s], incl.ev_stream[e], layer_index, g, incl.tau[e],
+                           ufresh)
+        urow = ufresh
+    return gather_kept(incl.pi[e, g], urow, incl.kmask[max(ks, 0), g], ks >= 0, incl.tau[e],
+                       keptflag, kept_idx)
 
 
 @nb.njit(cache=True)
