@@ -13,8 +13,11 @@ smallest ``|o_hat - o| / C``), ``conf_cov`` the held-out share with ``|o_hat - o
 With ``--prereg`` it evaluates claims C9 (from the results) and C10 (from ``--peers`` output
 of ``tracesim peers``), as ``tracesim report`` does (:mod:`analysis.claims_perstep`).
 
+With ``--by COLUMN`` (e.g. ``store`` for the length sweep) it prints one table per value of that
+column, each with its own top-k baseline and costs.
+
 Usage: ``python -m analysis.adaptive RESULTS_DIR [--calibration DIR] [--peers DIR ...]
-[--prereg data/prereg.yaml]`` (``docs/adaptive.md``).
+[--prereg data/prereg.yaml] [--by COLUMN]`` (``docs/adaptive.md``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from analysis.results_io import load_peers, load_results
 
 # evaluate_c9 and evaluate_c10 live with the other claims (analysis.claims_perstep); they are
 # named here too because this command evaluates them.
-__all__ = ["adaptive_table", "conformal_radius", "evaluate_c9", "evaluate_c10", "main"]
+__all__ = ["adaptive_table", "by_table", "conformal_radius", "evaluate_c9", "evaluate_c10", "main"]
 
 
 def _cluster_ci(values: pd.Series, clusters: pd.Series) -> tuple[float, float]:
@@ -78,6 +81,21 @@ def adaptive_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
     return out
 
 
+def by_table(df: pd.DataFrame, column: str, head_dim: int = 64) -> pd.DataFrame:
+    """:func:`adaptive_table` with the cost columns, computed separately for each value of a
+    result column (first column of the output). Each part has its own per-query top-k
+    baseline and its own cached-token count ``P``, so a length sweep's stores stay apart."""
+    if column not in df.columns:
+        raise ValueError(f"--by {column!r}: not a result column; expected one of "
+                         f"{sorted(df.columns)[:12]}...")
+    parts = []
+    for value, g in df.groupby(column, sort=False):
+        t = cost_columns(adaptive_table(g, head_dim), g, head_dim)
+        t.insert(0, column, value)
+        parts.append(t)
+    return pd.concat(parts, ignore_index=True)
+
+
 def _ratio(g: pd.DataFrame) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.sqrt(g["err2"].to_numpy(float) / g["cert2"].to_numpy(float))
@@ -102,10 +120,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="results whose rows fit the conformal radius (another set of sequences)")
     ap.add_argument("--peers", nargs="*", default=[], help="tracesim peers output directories")
     ap.add_argument("--prereg", default=None, help="evaluate C9 and C10 of this file")
+    ap.add_argument("--by", default=None, metavar="COLUMN",
+                    help="one table per value of this result column, e.g. 'store' for a "
+                         "length sweep (each value's own top-k baseline and costs)")
     args = ap.parse_args(argv)
     try:
         df, _ = load_results(Path(args.results))
-        table = cost_columns(adaptive_table(df, args.head_dim), df, args.head_dim)
+        if args.by and args.calibration:
+            raise ValueError("--by and --calibration: give one of them")
+        table = (by_table(df, args.by, args.head_dim) if args.by else
+                 cost_columns(adaptive_table(df, args.head_dim), df, args.head_dim))
         if args.calibration:
             cal, _ = load_results(Path(args.calibration))
             radius = conformal_radius(cal)

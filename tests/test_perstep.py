@@ -11,6 +11,7 @@ import itertools
 
 import numba
 import numpy as np
+import pandas as pd
 import pytest
 
 from tests.replay_fixtures import synthetic_trace
@@ -293,6 +294,30 @@ def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
     assert rnd.wald.between(0, 1).all() and rnd.mse_vs_topk.notna().all()
     assert table[table.design == "topk"].wald.isna().all()  # uncertified: no coverage
     assert (table.proxy_bits == [128, 128, 8 * 3, 8 * 3]).all()
+
+
+def test_by_table_keeps_each_store_apart(tmp_path):
+    from analysis.adaptive import adaptive_table, by_table
+    from tests.replay_fixtures import build_store
+    from tracesim.replay import replay
+    from tracesim.store import open_store
+
+    store = open_store(build_store(tmp_path / "store", n_seqs=2, n_layers=1))
+    pols = [make_policy("perstep", d, 0.4, schedule="step", score_params={"proxy": "quant:2",
+                                                                          "window": 8})
+            for d in ("topk", "poisson")]
+    df = replay(store, pols, seeds=3, progress=False).to_pandas()
+    # Two "stores" whose errors differ by a factor 4: each part keeps its own top-k baseline.
+    a, b = df.assign(store="a"), df.assign(store="b", err2=df["err2"] * 4)
+    table = by_table(pd.concat([a, b], ignore_index=True), "store", head_dim=8)
+    assert list(table.store) == ["a", "a", "b", "b"]
+    alone = adaptive_table(a, head_dim=8)
+    assert np.allclose(table[table.store == "a"].mse_vs_topk, alone.mse_vs_topk)
+    assert np.allclose(table[table.store == "b"].mse_vs_topk, alone.mse_vs_topk)
+    assert np.allclose(table[table.store == "b"].mse.to_numpy(), 4 * alone.mse.to_numpy())
+    assert "read_rows" in table.columns
+    with pytest.raises(ValueError, match="--by 'nope'"):
+        by_table(df, "nope")
 
 
 def _frame(config, n_seq, cov, err2, cert2=1.0, rng=None, **meta):
