@@ -11,8 +11,8 @@ Holm-adjusted over every comparison of the table. :func:`per_step_claims` evalua
 C6 on the per-step configurations only, and :func:`accuracy_bytes_figure` plots accuracy
 against bytes per step::
 
-    python -m analysis.evict_perstep results/evict-adaptive --prereg data/prereg.yaml \\
-        --figure accuracy_bytes.png
+    python -m analysis.evict_perstep results/evict-adaptive [MORE_DIRS ...] \\
+        --prereg data/prereg.yaml --figure accuracy_bytes.png
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from analysis.plotting import png_bytes, pyplot
 from tracesim.safeio import loads_json
 
 __all__ = ["REPORT_COLUMNS", "accuracy_bytes_figure", "add_to_report", "configuration_label",
-           "outcome_table", "per_step_claims", "sign_flip_p"]
+           "load_many", "outcome_table", "per_step_claims", "sign_flip_p"]
 
 #: Monte Carlo sign patterns beyond 16 sequences (fixed seed: reruns give the same p).
 SIGN_FLIP_DRAWS = 20000
@@ -255,15 +255,39 @@ def add_to_report(report, outcomes: pd.DataFrame, prereg) -> None:
     report.add_figure("accuracy_vs_bytes", accuracy_bytes_figure(table))
 
 
+def load_many(directories: list[str]) -> tuple[pd.DataFrame, int]:
+    """The outcomes of several ``tracesim evict`` directories (each checked against its
+    summary, :func:`analysis.results_io.load_outcomes`), as one table.
+
+    A row whose key (sequence, configuration, seed, fetch) is already in an earlier directory
+    is dropped, so a configuration run in two directories (the full cache, say) counts once;
+    returns the table and the number of rows dropped."""
+    from analysis.results_io import load_outcomes
+    from tracesim.integrity import OUTCOME_KEYS
+
+    frames = [load_outcomes(d)[0] for d in directories]
+    both = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    keys = [k for k in OUTCOME_KEYS if k in both.columns]
+    dup = both.duplicated(keys, keep="first")
+    return both[~dup].reset_index(drop=True), int(dup.sum())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", help="a tracesim evict output directory")
+    parser.add_argument("out", nargs="+", help="tracesim evict output directories (their "
+                        "outcomes are joined; a row already in an earlier one is dropped)")
     parser.add_argument("--prereg", default=None, help="pre-registration (C2, C3, C6)")
     parser.add_argument("--figure", default=None, help="write the accuracy-bytes PNG here")
     args = parser.parse_args(argv)
-    import pyarrow.parquet as pq
+    import sys
 
-    outcomes = pq.read_table(f"{args.out}/outcomes.parquet").to_pandas()
+    try:
+        outcomes, dropped = load_many(args.out)
+    except (ValueError, OSError) as exc:
+        print(f"python -m analysis.evict_perstep: {exc}", file=sys.stderr)
+        return 2
+    if dropped:
+        print(f"{dropped} rows already in an earlier directory dropped")
     table = outcome_table(outcomes)
     with pd.option_context("display.width", 250, "display.max_columns", 30):
         print(table[list(REPORT_COLUMNS)].round(3).to_string(index=False))

@@ -106,3 +106,31 @@ def test_the_report_gets_the_per_step_table_claims_and_figure(outcomes):
     assert "perstep[quant:4]/poisson step(fresh)" in "".join(report.tables.values())
     assert "C3:" in report.tables["per-step designs in the loop: C2, C3, C6"]
     assert "accuracy_vs_bytes" in report.figures
+
+
+def _write_outcomes(d, frame):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tracesim.integrity import results_record
+
+    d.mkdir()
+    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), d / "outcomes.parquet")
+    rec = results_record(d / "outcomes.parquet", len(frame), frame["config_id"].unique())
+    (d / "summary.json").write_text(json.dumps(rec))
+
+
+def test_several_outcome_directories_join_and_count_shared_rows_once(outcomes, tmp_path, capsys):
+    from analysis.evict_perstep import load_many, main
+
+    first = outcomes[outcomes.config_id.isin(["full", "snap"])]
+    second = outcomes[outcomes.config_id != "snap"]  # the full cache again, plus the per-step
+    _write_outcomes(tmp_path / "a", first)
+    _write_outcomes(tmp_path / "b", second)
+    joined, dropped = load_many([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert dropped == 8 and len(joined) == len(outcomes)
+    assert sorted(joined.config_id.unique()) == sorted(outcomes.config_id.unique())
+    assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "8 rows already in an earlier directory dropped" in capsys.readouterr().out
+    assert main([str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
+    assert "no outcomes.parquet" in capsys.readouterr().err
