@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from analysis import figures
 from analysis import report_figures as rfig
-from analysis.adaptive import adaptive_table
+from analysis.adaptive_figure import add_to_report as add_perstep_frontier
 from analysis.answer_span import add_to_report as add_answer_span
 from analysis.claim_registry import claims_table, registered_claims
 from analysis.claims import INCONCLUSIVE, INPUT_MISSING, SUPPORTED, ClaimInputs, ClaimResult
@@ -141,9 +141,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         _add_outcome_parts(report, inputs)
     res_df = inputs.results
     if not res_df.empty and "score" in res_df and (res_df["score"] == "perstep").any():
-        table = adaptive_table(res_df, report.provenance.head_dim or 64)
-        report.tables["per-step designs"] = table.to_string(
-            index=False, float_format=lambda x: f"{x:.4g}")
+        add_perstep_frontier(report, res_df, report.provenance.head_dim or 64)
     if not fetch_df.empty:
         _add_fetch(report, fetch_df, out_df)
     if tiers_dir is not None:

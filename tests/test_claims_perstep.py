@@ -15,7 +15,7 @@ import pytest
 from analysis.adaptive import evaluate_c10
 from analysis.claims import INPUT_MISSING, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED
 from analysis.claims_replay import evaluate_c1, evaluate_c2_attention
-from analysis.prereg import load_prereg
+from analysis.prereg import load_prereg, prereg_hash
 from analysis.report import build_report, write_report
 
 PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
@@ -110,3 +110,28 @@ def test_report_cli_takes_several_peers_outputs():
     args = build_parser("*").parse_args(["report", "res", "--peers", "p1", "--peers", "p2",
                                          "--out", "r"])
     assert args.peers == ["p1", "p2"] and args.results == "res" and args.outcomes is None
+
+
+def test_the_report_plots_per_step_designs_against_memory_and_bytes(tmp_path):
+    from tests.replay_fixtures import build_store
+    from tracesim.integrity import sign_results
+    from tracesim.policies import make_policy
+    from tracesim.replay import replay
+    from tracesim.store import open_store
+
+    store = open_store(build_store(tmp_path / "store", n_seqs=2, n_layers=1))
+    pols = [make_policy("perstep", d, 0.4, schedule="step",
+                        score_params={"proxy": "quant:4", "window": 8})
+            for d in ("topk", "poisson")]
+    pols.append(make_policy("snapkv", "poisson", 0.4, score_params={"window": 8}))
+    res = tmp_path / "results"
+    res.mkdir()
+    pq.write_table(replay(store, pols, seeds=3, progress=False), res / "results.parquet")
+    (res / "summary.json").write_text(json.dumps({"prereg": {"sha256": prereg_hash(PREREG)}}))
+    sign_results(res / "results.parquet")
+    report = build_report(res, None, prereg_path=PREREG)
+    assert "perstep_frontier" in report.figures
+    table = report.tables["per-step designs"]
+    assert "step_read_kib" in table and "hbm_kib" in table
+    write_report(report, tmp_path / "r")
+    assert (tmp_path / "r" / "perstep_frontier.png").is_file()

@@ -409,6 +409,35 @@ def test_cost_columns_follow_the_memory_model():
     assert t.loc["perstep", "step_us_partial"] == pytest.approx(1 * 2.0 + partial / 1e3)
 
 
+def test_frontier_counts_the_bytes_each_step_reads_and_draws():
+    from analysis.adaptive import adaptive_table
+    from analysis.adaptive_costs import cost_columns
+    from analysis.adaptive_figure import frontier_figure, step_read_kib
+
+    step = make_policy("perstep", "poisson", 0.25, schedule="step",
+                       score_params={"proxy": "quant:4"})
+    top = make_policy("perstep", "topk", 0.25, schedule="step", score_params={"proxy": "quant:4"})
+    pre = make_policy("snapkv", "poisson", 0.25)
+    rows = []
+    for pol, kept, err in ((step, 100, 0.01), (top, 100, 0.1), (pre, 90, 1.0)):
+        for h in range(4):  # 4 query heads, 2 KV heads
+            rows.append({**pol.row(), "sequence_id": "s", "head": h, "kv_head": h // 2,
+                         "kept_tokens": kept, "n_positions": 400, "err2": err,
+                         "cert2": 1.0, "wald_cov": 1.0 if pol.certified else np.nan,
+                         "wald_t_cov": 1.0 if pol.certified else np.nan})
+    df = pd.DataFrame(rows)
+    table = cost_columns(adaptive_table(df, 8), df, head_dim=8)
+    table["step_read_kib"] = step_read_kib(table, df, head_dim=8)
+    b = 2 * 8 * 2  # fp16 K and V of one token, d = 8
+    got = table.set_index(["score", "design"])["step_read_kib"]
+    # per-step: the attended tokens plus the 4-bit proxy of all 400 cached tokens (5 bits/d)
+    assert got["perstep", "poisson"] == pytest.approx((100 * b + 400 * 8 * 5 / 8) * 2 / 1024)
+    assert got["snapkv", "poisson"] == pytest.approx(90 * b * 2 / 1024)
+    png, caption = frontier_figure(table)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and "HBM" in caption
+    assert frontier_figure(table.assign(hbm_kib=np.nan)) is None
+
+
 def test_claims_need_two_sequences_and_paired_sequences():
     import pandas as pd
 

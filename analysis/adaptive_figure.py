@@ -1,0 +1,118 @@
+"""The per-step frontier: error and coverage against HBM memory and against bytes per step.
+
+One point per configuration of :func:`analysis.adaptive.adaptive_table` with the costs of
+:func:`analysis.adaptive_costs.cost_columns`, per layer and decode step, summed over the layer's
+KV heads:
+
+- **HBM** (``hbm_kib``): what stays in fast memory between steps (a prefill design's kept set; a
+  per-step design's sinks, window and proxy summary of every cached token).
+- **Bytes per step** (``step_read_kib``): what attention reads at one step wherever it lives —
+  the attended tokens' keys and values (``kept x b``), plus, for a per-step design, the proxy's
+  summary of every cached token, which it scores before it samples (``P x proxy_bits / 8``).
+  This is the quantity ``tracesim evict`` reports as ``step_bytes``.
+
+The top panels plot the mean squared error (log scale), the bottom ones Wald coverage of all
+rows, with the nominal level as a line; uncertified configurations (top-k) have no coverage
+and appear in the top panels only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+
+from analysis.plotting import png_bytes, pyplot
+
+__all__ = ["add_to_report", "frontier_figure", "step_read_kib"]
+
+
+def step_read_kib(table: pd.DataFrame, df: pd.DataFrame, head_dim: int = 64,
+                  model=None) -> np.ndarray:
+    """Bytes attention reads per layer and decode step (KiB, summed over KV heads), one value
+    per row of ``table`` (module docstring; ``table`` as :func:`analysis.adaptive.adaptive_table`
+    returns it, in its configuration order)."""
+    from tracesim.proxies import make_proxy
+    from tracesim.tiers.model import MemoryModel
+
+    b = (model or MemoryModel()).token_bytes(head_dim)
+    n_kv = int(df["kv_head"].nunique())
+    first = df.drop_duplicates("config_id").set_index("config_id")
+    out = []
+    for cid, g in df.groupby("config_id", sort=False):
+        meta = first.loc[cid]
+        read = float(g["kept_tokens"].mean()) * b
+        if meta["score"] == "perstep":
+            proxy = json.loads(meta["score_params"]).get("proxy", "exact")
+            read += float(g["n_positions"].mean()) * make_proxy(proxy).bits_per_token(
+                head_dim) / 8
+        out.append(read * n_kv / 1024)
+    if len(out) != len(table):
+        raise ValueError(f"step_read_kib: {len(table)} table rows for {len(out)} configurations")
+    return np.asarray(out)
+
+
+def _label(row: pd.Series) -> str:
+    if row["score"] == "perstep":
+        sched = "" if row["schedule"] in ("step(fresh)", "—") else f" {row['schedule']}"
+        return f"{row['proxy']}/{row['design']}{sched}"
+    return f"{row['score']}/{row['design']}"
+
+
+def frontier_figure(table: pd.DataFrame, nominal: float = 0.95) -> tuple[bytes, str] | None:
+    """Error and coverage against HBM and bytes per step (module docstring); ``table`` needs
+    the columns of ``adaptive_table`` plus ``hbm_kib`` and ``step_read_kib``. ``None`` when no
+    configuration has finite costs."""
+    t = table[np.isfinite(table["hbm_kib"]) & np.isfinite(table["step_read_kib"])
+              & (table["mse"] > 0)]
+    if t.empty:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex="col")
+    markers = {"perstep": "o", "snapkv": "D"}  # any other prefill score: squares
+    colours = {score: f"C{i}" for i, score in enumerate(dict.fromkeys(t["score"]))}
+    for col, (x, xlabel) in enumerate((("hbm_kib", "HBM per layer (KiB)"),
+                                       ("step_read_kib", "bytes read per layer and step (KiB)"))):
+        for row, y in enumerate(("mse", "wald")):
+            ax = axes[row, col]
+            for (score, topk), h in t[np.isfinite(t[y])].groupby(
+                    ["score", t["design"] == "topk"], sort=False):
+                ax.scatter(h[x], h[y], marker=markers.get(score, "s"), alpha=0.85,
+                           facecolors="none" if topk else colours[score],
+                           edgecolors=colours[score],
+                           label=f"{score} {'top-k' if topk else 'randomized'}")
+                for _, r in h.iterrows():
+                    ax.annotate(_label(r), (r[x], r[y]), fontsize=6, xytext=(3, 2),
+                                textcoords="offset points")
+            ax.set_xscale("log")
+            if y == "mse":
+                ax.set_yscale("log")
+                ax.set_ylabel("mean squared error")
+            else:
+                ax.axhline(nominal, color="grey", lw=0.8, ls="--")
+                ax.set_ylabel("Wald coverage (all rows)")
+            if row == 1:
+                ax.set_xlabel(xlabel)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    seen = dict(zip(labels, handles, strict=True))
+    axes[0, 0].legend(seen.values(), seen.keys(), fontsize=7)
+    caption = ("Per-step and prefill designs: mean squared error (top) and Wald coverage of all "
+               "rows (bottom) against the HBM each holds per layer (left) and the bytes "
+               "attention reads per layer and decode step, the proxy's summary included "
+               "(right); open markers are top-k (no coverage). Costs: the tiers memory model's "
+               "defaults (docs/adaptive.md, Costs).")
+    return png_bytes(fig), caption
+
+
+def add_to_report(report, results: pd.DataFrame, head_dim: int = 64) -> None:
+    """The report's per-step table (:func:`analysis.adaptive.adaptive_table` with the costs and
+    ``step_read_kib``) and :func:`frontier_figure`."""
+    from analysis.adaptive import adaptive_table
+    from analysis.adaptive_costs import cost_columns
+
+    table = cost_columns(adaptive_table(results, head_dim), results, head_dim)
+    table["step_read_kib"] = step_read_kib(table, results, head_dim)
+    report.tables["per-step designs"] = table.to_string(
+        index=False, float_format=lambda x: f"{x:.4g}")
+    report.add_figure("perstep_frontier", frontier_figure(table))
