@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["SUPPORTED", "NOT_SUPPORTED", "INCONCLUSIVE", "NOT_EVALUATED", "CERTIFICATES",
-           "INPUT_MISSING", "Claim", "ClaimInputs", "ClaimResult"]
+           "INPUT_MISSING", "Claim", "ClaimInputs", "ClaimResult", "eviction_rows"]
 
 SUPPORTED = "supported"
 NOT_SUPPORTED = "not supported"
@@ -157,3 +157,13 @@ class Claim:
     needs: tuple[str, ...] = ()
     check: Callable[[dict[str, Any], Fail], None] | None = None
     first: bool = False
+
+
+def eviction_rows(results: pd.DataFrame) -> pd.DataFrame:
+    """The rows of eviction designs (schedule ``oneshot`` or ``decode``): per-step designs
+    (schedule ``step``) sample the whole cache afresh at every step and evict nothing, so the
+    eviction claims C1, C2, C5 and C8 leave them out (C9 is theirs). Results without a
+    ``schedule`` column are returned as they are."""
+    if "schedule" not in results:
+        return results
+    return results[results["schedule"] != "step"]

@@ -31,6 +31,7 @@ from analysis.claims import (
     ClaimInputs,
     ClaimResult,
     Fail,
+    eviction_rows,
 )
 from analysis.cluster import cluster_proportions
 from analysis.validity import (
@@ -75,7 +76,7 @@ def evaluate_c8(results: pd.DataFrame, prereg,
     alpha = prereg.claim_alpha("C8")
     res = ClaimResult("C8", claim["hypothesis"])
     settings = SplitSettings.from_claim(claim)
-    df = c8_rows(results, claim)
+    df = c8_rows(eviction_rows(results), claim)  # per-step rows are C9's
     df = df[df[settings.coverage_column].notna()]
     if df.empty:
         res.detail = "no certified deployable rows of the compared configurations"

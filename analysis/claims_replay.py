@@ -3,7 +3,7 @@ error), C5 (certificate-gated escalation) and C7 (recomputation scheduling).
 
 Inputs are the replay results table (``tracesim replay`` / ``tracesim sweep``; columns in
 ``docs/replay.md``) as a pandas DataFrame, aggregated over seeds, and the pre-registration.
-C1 and C2 read the eviction designs only (schedules ``oneshot`` and ``decode``): the per-step
+C1, C2 and C5 read the eviction designs only (schedules ``oneshot`` and ``decode``): the per-step
 designs (schedule ``step``) are C9's. The ``c*_claim`` functions are the claims table's entries
 (:mod:`analysis.claim_registry`): they take the report's :class:`analysis.claims.ClaimInputs`.
 """
@@ -26,6 +26,7 @@ from analysis.claims import (
     ClaimInputs,
     ClaimResult,
     Fail,
+    eviction_rows,
 )
 from analysis.claims_outcomes import evaluate_c2_accuracy
 from analysis.coverage import cluster_coverage
@@ -83,16 +84,6 @@ def tail_bins(m: pd.Series) -> pd.Series:
 
 def _certified(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["certified"].astype(bool) & df["cert2"].notna()]
-
-
-def eviction_rows(results: pd.DataFrame) -> pd.DataFrame:
-    """The rows of eviction designs (schedule ``oneshot`` or ``decode``): per-step designs
-    (schedule ``step``) sample the whole cache afresh at every step and evict nothing, so the
-    eviction claims C1 and C2 leave them out. Results without a ``schedule`` column are
-    returned as they are."""
-    if "schedule" not in results:
-        return results
-    return results[results["schedule"] != "step"]
 
 
 def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, Any]]:
@@ -189,7 +180,7 @@ def evaluate_c5(results: pd.DataFrame, prereg) -> ClaimResult:
     """
     claim, alpha = _claim(prereg, "C5")
     res = ClaimResult("C5", claim["hypothesis"])
-    df = _certified(results)
+    df = _certified(eviction_rows(results))
     df = df[(df["design"] == "poisson") & (df["budget_unit"] == "fraction")
             & (df["allocator"] == "uniform")]
     unit = ["sequence_id", "layer", "head", "query_position", "score"]

@@ -232,3 +232,15 @@ def test_study_specs_are_valid_grids_pointed_at_the_study_traces(tmp_path):
         assert spec["output"] == str((tmp_path / "out" / f"sweep-{name}").resolve())
         assert spec["record"] == "per_seed"  # the validity rule reads per-draw m, n_eff
         assert parse_grid(spec["grid"], where=name)
+
+
+def test_c8_leaves_the_per_step_rows_to_c9(results):
+    from analysis.claims_c8 import evaluate_c8
+
+    prereg = load_prereg(PREREG)
+    base = results if "schedule" in results else results.assign(schedule="oneshot")
+    c8, _ = evaluate_c8(base, prereg)
+    # per-step rows of the same design and correction, every one uncovered: C8 must not move
+    step = base.assign(schedule="step", score="perstep", wald_cov=0.0)
+    both, _ = evaluate_c8(pd.concat([base, step], ignore_index=True), prereg)
+    assert (both.estimate, both.pvalue, both.detail) == (c8.estimate, c8.pvalue, c8.detail)
