@@ -225,6 +225,25 @@ def test_evict_cli_with_a_checkpoint_directory(tiny_store, tmp_path):
     bad.write_text("grid:\n  score: [nope]\n")
     assert main(["evict", str(path), "--grid", str(bad), "--out", str(tmp_path / "o2"),
                  "--model", str(ckpt)]) == 2
+    # --per-task: the first sequence of each task now, the rest later into the same --out
+    import json
+
+    import pyarrow.parquet as pq
+
+    from tracesim.store import open_store
+
+    manifest = open_store(path).manifest.to_pandas()
+    first = manifest.groupby("task", sort=False)["sequence_id"].first().tolist()
+    args = ["evict", str(path), "--grid", str(grid), "--out", str(tmp_path / "o3"), "--model",
+            str(ckpt)]
+    assert main(args + ["--per-task", "1"]) == 0
+    part = pq.read_table(tmp_path / "o3" / "outcomes.parquet").to_pandas()
+    assert sorted(part.sequence_id) == sorted(first)
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "o3" / "summary.json").read_text())
+    assert summary["sequences_skipped"] == len(first)
+    assert summary["sequences_written"] == len(manifest) - len(first)
+    assert main(args + ["--per-task", "0"]) == 2
 
 
 def test_evict_sigkill_then_rerun_and_rekeyed_resume(tiny_store, tmp_path):

@@ -27,7 +27,7 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "tracesim.replay.cli",
     "tracesim.sweep.cli",
     "tracesim.adversary",
-    "capture.inloop.evict_run",
+    "capture.inloop.evict_cli",
     "analysis.cli",
     "analysis.frontier_cli",
     "tracesim.demo",
@@ -48,7 +48,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "tracesim.sweep.cli": ("sweep", "run a declarative sweep (YAML spec) locally or on Dask; "
                            "resumable"),
     "tracesim.adversary": ("adversary", "claim C0: perturb evicted values; top-k cannot see it"),
-    "capture.inloop.evict_run": ("evict", "run eviction policies inside the model and record "
+    "capture.inloop.evict_cli": ("evict", "run eviction policies inside the model and record "
                           "end-to-end outcomes"),
     "analysis.cli": ("report", "evaluate the pre-registered claims; write the report (Markdown "
                      "+ standalone HTML)"),

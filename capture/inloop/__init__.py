@@ -5,7 +5,8 @@ code and permanent random numbers) and :mod:`tracesim.tiers` (the memory model);
 :mod:`analysis`. The recorder in :mod:`capture` never imports this package.
 
 - :mod:`capture.inloop.evict` -- prefill once, then decode every configuration from that cache;
-- :mod:`capture.inloop.evict_run` -- the ``tracesim evict`` subcommand: grid, resume, outcomes;
+- :mod:`capture.inloop.evict_run` -- run a grid in the loop: resume, outcomes;
+- :mod:`capture.inloop.evict_cli` -- the ``tracesim evict`` subcommand (arguments checked first);
 - :mod:`capture.inloop.enforce` -- kept sets as an attention bias, the Hájek offset, serving
   certificates;
 - :mod:`capture.inloop.onepass` -- one-pass attention with the certificate's quadratic forms;
@@ -13,6 +14,6 @@ code and permanent random numbers) and :mod:`tracesim.tiers` (the memory model);
 - :mod:`capture.inloop.prn_torch` -- a bit-exact torch port of :mod:`tracesim.prn`.
 - :mod:`capture.inloop.answer` -- the answer span of a prompt, the share of it a run kept.
 
-Importing this package imports nothing heavy; its modules (but ``evict_run``'s top level and
-``answer``) import torch.
+Importing this package imports nothing heavy; its modules (but the top levels of ``evict_run``
+and ``evict_cli``, and ``answer``) import torch.
 """
