@@ -53,8 +53,20 @@ def _proxy(row: pd.Series) -> str:
     return str(json.loads(row["score_params"]).get("proxy", "exact"))
 
 
+def _gqa(row: pd.Series) -> str:
+    """How a per-step design samples the GQA group: ``mean``, ``max`` or ``head`` (one sample
+    per query head); ``—`` for the other scores."""
+    if row["score"] != "perstep":
+        return "—"
+    return str(json.loads(row["score_params"]).get("gqa", "mean"))
+
+
 def adaptive_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
-    """One row per configuration (see the module docstring), sorted as the study lists them."""
+    """One row per configuration (see the module docstring), sorted as the study lists them.
+
+    ``gqa`` says how a per-step design samples the GQA group; a configuration's top-k baseline
+    is the one with its score, proxy, ``gqa`` and budget, else the group-shared (``mean``)
+    one."""
     from tracesim.proxies import make_proxy
 
     rows = []
@@ -65,7 +77,7 @@ def adaptive_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
         cov_t, _ = _cluster_ci(g["wald_t_cov"], g["sequence_id"])
         proxy = _proxy(meta)
         rows.append({
-            "score": meta["score"], "proxy": proxy, "design": meta["design"],
+            "score": meta["score"], "proxy": proxy, "gqa": _gqa(meta), "design": meta["design"],
             "schedule": cid.split("|")[4] if cid != "full" else "—",
             "budget": meta["budget"], "rows": len(g),
             "wald": cov, "wald_ci": hw, "wald_t": cov_t, "mse": float(g["err2"].mean()),
@@ -74,10 +86,15 @@ def adaptive_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
                            else float("nan")),
         })
     out = pd.DataFrame(rows)
-    topk = out[out.design == "topk"].set_index(["score", "proxy", "budget"])["mse"]
-    key = list(zip(out.score, out.proxy, out.budget, strict=True))
-    out["mse_vs_topk"] = [r.mse / topk[k] if k in topk.index else np.nan
-                          for k, r in zip(key, out.itertuples(), strict=True)]
+    topk = out[out.design == "topk"].set_index(["score", "proxy", "gqa", "budget"])["mse"]
+
+    def baseline(r) -> float:
+        for gqa in (r.gqa, "mean"):
+            if (r.score, r.proxy, gqa, r.budget) in topk.index:
+                return float(topk[(r.score, r.proxy, gqa, r.budget)])
+        return np.nan
+
+    out["mse_vs_topk"] = [r.mse / baseline(r) for r in out.itertuples()]
     return out
 
 

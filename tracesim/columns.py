@@ -80,7 +80,8 @@ COLUMN_DOCS: dict[str, str] = {
     "event": "eviction event the query falls after (0 = first event)",
     "context_tokens": "compressible tokens at the first event",
     "nominal_tokens": "nominal kept tokens of the budget at the first event",
-    "budget_tokens": "kept-token budget of the KV head at the query's event",
+    "budget_tokens": "kept-token budget of the KV head at the query's event (of the query "
+                     "head's own sample with perstep gqa: head)",
     "truth_norm": "|o|, norm of the full-cache attention output (value units)",
     "output_check": "|o_stored - o_recomputed| / |o|: stored outputs vs float64 recomputation",
     # evict outcomes
@@ -172,8 +173,11 @@ METRIC_DOCS: dict[str, str] = {
     "sat_cov": "fraction of seeds with |e|^2 inside the Satterthwaite bound (needs "
                "satterthwaite=True, else NaN)",
     "sat_t_cov": "same with m/(m-1) inflation",
-    "kept_tokens": "realized kept tokens of the KV head at the query's event",
-    "expected_kept": "sum of pi at the query's event (expected memory)",
+    "kept_tokens": "realized kept tokens of the KV head at the query's event (of the query "
+                   "head's own sample with perstep gqa: head; the KV head's group then reads "
+                   "the sum of its heads' rows)",
+    "expected_kept": "sum of pi at the query's event (expected memory; per query head with "
+                     "perstep gqa: head)",
     "tail_population": "tokens with pi < 1 the query would see (kept or not)",
     "tail_out_mass": "full-cache attention mass on sampled-out tokens (pi > 0)",
     "tail_out_max": "largest full-cache weight of a sampled-out token",

@@ -40,7 +40,9 @@ Per-step designs with fresh uniforms (schedule ``step``) decide the kept set of 
 query at position ``t`` with stream ``STREAM_STEP + t`` = ``2**31 + t`` (:func:`step_stream`),
 so each step's sample is independent of every other step's and of stream 0, and the same
 ``(seed, layer, kv_head, position)`` key is reused; ``t < 2**31``. Stream 2 seeds the SimHash
-proxy's hyperplanes (:data:`STREAM_HASH`).
+proxy's hyperplanes (:data:`STREAM_HASH`). A design with one sample per *query* head
+(``perstep`` with ``gqa: head``) is replayed on the layer's per-query-head view, where the
+``kv_head`` coordinate of its inclusion, step and bootstrap uniforms is the query head.
 
 **Bootstrap multipliers** (:func:`bootstrap_weights`, stream :data:`STREAM_BOOTSTRAP` = 3).
 The Poisson-bootstrap replicate ``r`` of the kept sample drawn with stream ``sample_stream``

@@ -119,6 +119,13 @@ def run_evict(
         check_int(seeds, "seeds", 1, 100_000)
     from tracesim.outpaths import check_output
 
+    policies = list(policies)
+    per_head = [p.id for p in policies if p.score.per_query_head]
+    if per_head:
+        # The loop enforces one kept set per KV head (its attention bias is per KV head).
+        raise ValueError(f"gqa: policy {per_head[0]} draws one sample per query head (gqa = "
+                         "'head'), which only the replay simulates; in-loop eviction expects "
+                         "gqa 'mean' or 'max'")
     out = check_out_dir(check_output(out, [("trace store", store_path)]))
     store = open_store(store_path)
     if store.is_subset:
@@ -134,7 +141,6 @@ def run_evict(
     seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
     if not seed_list:
         raise ValueError("seeds: expected at least one seed")
-    policies = list(policies)
     fetch = list(fetch) if fetch else None
     if fetch:
         _check_fetch(policies, fetch)

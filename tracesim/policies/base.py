@@ -79,6 +79,10 @@ class Score:
     truncate_stratum : bool
         A budget below the take-all stratum keeps only its earliest ``budget`` tokens (the
         kvpress presses, which protect by score); otherwise the whole stratum is kept.
+    per_query_head : bool
+        The score draws one sample per *query* head (``perstep`` with ``gqa: head``): the
+        engine replays it on :meth:`LayerTrace.per_query_head`, where ``kv_head`` is the
+        query head. Every other score draws one sample per KV head, shared by its group.
     """
 
     name: ClassVar[str] = "score"
@@ -90,6 +94,7 @@ class Score:
     per_step: ClassVar[bool] = False
     ties: ClassVar[str] = "later"
     truncate_stratum: ClassVar[bool] = False
+    per_query_head: ClassVar[bool] = False
 
     sinks: int = 4
     window: int = 32

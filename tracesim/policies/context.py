@@ -45,6 +45,9 @@ class LayerTrace:
     rope : dict, optional
         The model's RoPE settings, ``{"rope_theta": float, "rope_scaling": dict}`` (from
         ``model.json``); ``None`` when the store does not record them.
+    source : LayerTrace, optional
+        The stored layer this trace is the per-query-head view of (:meth:`per_query_head`);
+        ``None`` for a stored layer.
     """
 
     layer: int
@@ -62,6 +65,7 @@ class LayerTrace:
     sequence_id: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     rope: dict[str, Any] | None = None
+    source: LayerTrace | None = field(default=None, repr=False, compare=False)
     _attention_cache: dict[tuple[int, int], np.ndarray] = field(
         default_factory=dict, repr=False)
 
@@ -96,6 +100,36 @@ class LayerTrace:
     @property
     def group_size(self) -> int:
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def stored_group_size(self) -> int:
+        """Query heads per KV head of the stored layer (of :attr:`source` for a view)."""
+        return (self.source or self).group_size
+
+    def per_query_head(self) -> LayerTrace:
+        """The layer seen as multi-head attention: query head ``h`` paired with its own copy
+        of KV head ``h // G``'s keys and values (``n_kv_heads = n_heads``, group size 1).
+
+        A design that draws one sample per query head (``perstep`` with ``gqa: head``) is
+        replayed on this view, so every kernel and certificate runs unchanged with one sample
+        per (view) KV head; the random numbers' head coordinate is then the query head. The
+        view holds ``G`` times the layer's keys and values (float64) and remembers the stored
+        layer in :attr:`source`; a layer whose group size is already 1 is its own view.
+
+        Returns
+        -------
+        LayerTrace
+        """
+        G = self.group_size
+        if G == 1:
+            return self
+        return LayerTrace(
+            layer=self.layer, keys=np.repeat(self.keys, G, axis=0),
+            values=np.repeat(self.values, G, axis=0), queries=self.queries, h2o=self.h2o,
+            query_positions=self.query_positions, query_roles=self.query_roles,
+            prompt_length=self.prompt_length, question_start=self.question_start,
+            scale=self.scale, outputs=self.outputs, o_proj=self.o_proj,
+            sequence_id=self.sequence_id, meta=self.meta, rope=self.rope, source=self)
 
     def group(self, kv_head: int) -> range:
         """Query heads sharing ``kv_head``."""

@@ -346,9 +346,11 @@ def _expand_one(grid: Any, where: str, limit: int = MAX_GRID) -> GridExpansion:
                                                "designs support only the oneshot schedule")
                                 continue
                             if sched.per_step != score.per_step:
-                                skipped.append(f"{s} x {sched.label()}: per-step scores run "
-                                               "only under 'step' schedules, and 'step' only "
-                                               "with per-step scores")
+                                # gqa 'head' is named: it is a per-step sample by definition.
+                                label = f"{s} (gqa: head)" if score.per_query_head else s
+                                skipped.append(f"{label} x {sched.label()}: per-step scores "
+                                               "run only under 'step' schedules, and 'step' "
+                                               "only with per-step scores")
                                 continue
                             try:
                                 p = Policy(score=score, design=design, correction=corr,

@@ -14,9 +14,11 @@ from tracesim.proxies import make_proxy
 
 __all__ = ["GQA_AGGREGATIONS", "PerStepScore"]
 
-#: How the query heads of a GQA group share one sample: the mean of their proxy attention, or
-#: the maximum (so each head's heavy tokens get a high pi).
-GQA_AGGREGATIONS = ("mean", "max")
+#: How the query heads of a GQA group are sampled: one sample shared by the group, from the
+#: mean of their proxy attention or from the maximum (so each head's heavy tokens get a high
+#: pi); or ``head``, one sample per query head from its own proxy attention (a reference: it
+#: reads up to G times the rows of a shared sample).
+GQA_AGGREGATIONS = ("mean", "max", "head")
 
 
 #: Parsed proxies by spec (proxies are frozen: one instance serves every step and head).
@@ -35,6 +37,15 @@ class PerStepScore(Score):
     the linearised variable of the Hájek estimator, with ``o~_h = sum_i a~_{h,i} v_i`` the
     proxy's own estimate (this reads every value: a reference for what the variable adds).
 
+    With ``gqa = "head"`` every query head draws its own sample at every step, with ``pi``
+    from its own ``a~_{h,i}`` (the proxy still summarises the keys of its KV head ``h // G``).
+    The engine replays such a policy on the layer's per-query-head view
+    (:meth:`~tracesim.policies.context.LayerTrace.per_query_head`: ``n_kv = n_heads``), so
+    :meth:`scores` is called with ``kv_head = h`` and the random numbers' head coordinate is
+    the query head; kept tokens, budgets and rows read are then per query head (a KV head's
+    group reads the sum of its ``G`` heads' rows). ``deployable`` is the proxy's: nothing a
+    server lacks is read, but a shared sample reads up to ``G`` times fewer rows.
+
     The take-all stratum is the ``sinks`` first and ``window`` last positions before ``t`` plus
     the ``top_fraction`` share of the tail budget with the highest scores (the proxy's top-h);
     the design samples the rest. Whatever the proxy, the Hájek estimate with these ``pi`` is
@@ -45,7 +56,9 @@ class PerStepScore(Score):
     proxy : str
         Proxy spec (:func:`tracesim.proxies.make_proxy`): ``exact``, ``quant:b``,
         ``lowrank:r``, ``pages:P``, ``simhash:K,L``.
-    gqa : {"mean", "max"}
+    gqa : {"mean", "max", "head"}
+        One sample per KV head from the group's mean (default) or maximum proxy attention, or
+        one per query head (``head``; needs schedule ``step``, as every per-step score).
     linearised : bool, default False
     sinks, window, top_fraction
         Defaults 4, 32 and 0.5 (half the tail budget to the proxy's top tokens).
@@ -54,7 +67,8 @@ class PerStepScore(Score):
     ------
     ValueError
         When the store holds no decode query at the event's position (a per-step design needs
-        the query of every step it evaluates).
+        the query of every step it evaluates); with ``gqa = "head"``, when :meth:`scores` is
+        given a stored layer whose group size exceeds 1 instead of its per-query-head view.
     """
 
     name: ClassVar[str] = "perstep"
@@ -73,6 +87,10 @@ class PerStepScore(Score):
                              f"{GQA_AGGREGATIONS}")
         if not isinstance(self.linearised, bool):
             raise ValueError(f"PerStepScore.linearised = {self.linearised!r}: expected a bool")
+
+    @property
+    def per_query_head(self) -> bool:  # type: ignore[override]
+        return self.gqa == "head"
 
     @property
     def deployable(self) -> bool:  # type: ignore[override]
@@ -102,11 +120,29 @@ class PerStepScore(Score):
 
     def scores(self, trace: LayerTrace, kv_head: int, end: int,
                seed: int | None = None) -> np.ndarray:
+        if self.gqa == "head" and trace.source is not None:
+            # The per-query-head view: (view) KV head h is query head h of the stored layer,
+            # whose proxy summarises the keys of its KV head h // G.
+            src = trace.source
+            return self._step_attention(src, kv_head // src.group_size, [kv_head], end)[0, :end]
+        if self.gqa == "head" and trace.group_size > 1:
+            raise ValueError(f"PerStepScore.gqa = 'head' draws one sample per query head: score "
+                             f"the layer's per-query-head view (LayerTrace.per_query_head(), "
+                             f"as the replay engine does), not a layer of "
+                             f"{trace.group_size} query heads per KV head")
+        w = self._step_attention(trace, kv_head, list(trace.group(kv_head)), end)
+        x = w.max(axis=0) if self.gqa == "max" else w.mean(axis=0)
+        return x[:end]
+
+    def _step_attention(self, trace: LayerTrace, kv_head: int, heads: list[int],
+                        end: int) -> np.ndarray:
+        """Proxy softmax of ``heads`` (query heads of ``kv_head``) at the step ``end``, times
+        ``|v_i - o~_h|`` when ``linearised``; positions ``[0, end]`` (the current token last),
+        shape (len(heads), end + 1)."""
         proxy = _parsed_proxy(self.proxy)
         proxy.check_trace(trace)
         qi = self.step_query(trace, end)
-        heads = list(trace.group(kv_head))
-        q = trace.queries[heads, qi]  # (G, d)
+        q = trace.queries[heads, qi]  # (n, d)
         s = np.empty((len(heads), end + 1))
         s[:, :end] = proxy.logits(trace, kv_head, q, end)
         s[:, end] = (q @ trace.keys[kv_head, end]) * trace.scale  # the current token: exact
@@ -114,7 +150,6 @@ class PerStepScore(Score):
         w /= w.sum(axis=1, keepdims=True)
         if self.linearised:
             V = trace.values[kv_head, :end + 1]
-            o = w @ V  # (G, d)
+            o = w @ V  # (n, d)
             w = w * np.linalg.norm(V[None] - o[:, None], axis=2)
-        x = w.mean(axis=0) if self.gqa == "mean" else w.max(axis=0)
-        return x[:end]
+        return w

@@ -100,6 +100,10 @@ class Policy:
         if self.design.variance == "fixed" and self.schedule.kind != "oneshot":
             raise ValueError("fixed-size designs support only the one-shot schedule (the nested "
                              "rule u < min pi is a Poisson design, not a fixed-size one)")
+        if self.score.per_query_head and not self.schedule.per_step:
+            raise ValueError(f"Policy {self.score.name}: gqa = 'head' draws one sample per query "
+                             f"head at every decode step; expected schedule 'step' (or "
+                             f"'step:permanent'), got {self.schedule.label()!r}")
         if self.schedule.per_step != self.score.per_step:
             raise ValueError(
                 f"Policy {self.score.name}: schedule {self.schedule.label()!r} "

@@ -26,6 +26,7 @@ from tracesim.replay.engine import (
     ReplaySetup,
     evaluated_queries,
     replay_layer,
+    replay_layer_runs,
 )
 from tracesim.replay.results import (
     BOOTSTRAP_COLUMNS,
@@ -38,8 +39,8 @@ from tracesim.replay.results import (
 __all__ = [
     "BOOTSTRAP_COLUMNS", "METRICS", "RESULT_COLUMNS", "LayerResult", "ReplayOptions", "ReplaySetup",
     "evaluated_queries",
-    "iter_replay", "layer_batch", "load_layer", "replay", "replay_layer", "result_schema",
-    "verify_sequence",
+    "iter_replay", "layer_batch", "load_layer", "replay", "replay_layer", "replay_layer_runs",
+    "result_schema", "verify_sequence",
 ]
 
 
@@ -128,7 +129,9 @@ def iter_replay(
     skip_damaged: bool = False,
     skipped: list[str] | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """Replay lazily: one record batch per (sequence, layer).
+    """Replay lazily: one record batch per (sequence, layer), or per run of policies that share
+    a sample layout when the list mixes ``gqa: head`` with other policies
+    (:func:`tracesim.replay.engine.replay_layer_runs`).
 
     Arguments as :func:`replay`, plus: ``verify`` (``"checksum"``: structure and sha256 of each
     sequence file before its first use; ``"structure"``: sizes, index and manifest row only),
@@ -176,10 +179,13 @@ def iter_replay(
                 continue
             for layer in layer_list:
                 trace = load_layer(store, seq, layer)
-                result = replay_layer(trace, policies, seed_arr, n_layers, setup=setup)
-                if result.output_check_relative > OUTPUT_CHECK_TOLERANCE:
-                    bad.append((sid, layer, result.output_check_relative))
-                yield layer_batch(result, per_seed=per_seed)
+                # One batch per run of policies sharing a sample layout (per KV head or per
+                # query head), in the order of the policies.
+                for result in replay_layer_runs(trace, policies, seed_arr, n_layers,
+                                                setup=setup):
+                    if result.output_check_relative > OUTPUT_CHECK_TOLERANCE:
+                        bad.append((sid, layer, result.output_check_relative))
+                    yield layer_batch(result, per_seed=per_seed)
                 if bar is not None:
                     bar.update(1)
             seq.close()

@@ -5,6 +5,13 @@ Memory is bounded by one layer of one sequence (its K/V in float64, the permanen
 :data:`LOGIT_BUDGET_BYTES` and the per-iteration results), however many layers and sequences
 the store holds and however long the context. A layer, not a single head, is the unit because
 the GQA / output-space certificate and Ada-KV's allocation both couple the heads of a layer.
+
+A *sample layout* says which heads share a kept set: one sample per KV head, shared by its
+group's query heads (every score but one), or one per query head (``perstep`` with
+``gqa: head``). Policies of the second layout are replayed on the layer's per-query-head view
+(:meth:`tracesim.policies.LayerTrace.per_query_head`: each query head with its own copy of its
+KV head's keys and values), where every kernel, certificate and output-space term is the one
+of a multi-head layer; :func:`replay_layer_runs` splits a list that mixes the two.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from tracesim.replay.inclusion import InclusionTables, build_inclusion, seed_uni
 __all__ = ["LAYER_ERROR_BLOCK", "LOGIT_BUDGET_BYTES", "MAX_BOOTSTRAP", "OUTPUT_CHECK_TOLERANCE",
            "PRECISIONS",
            "GramBlocks", "LayerResult", "ReplayOptions", "ReplaySetup", "evaluated_queries",
-           "gram_blocks", "query_chunk", "replay_layer", "t_table", "token_quadratic_forms"]
+           "gram_blocks", "layout_runs", "query_chunk", "replay_layer", "replay_layer_runs",
+           "t_table", "token_quadratic_forms"]
 
 #: Largest accepted ``max |o_stored - o_recomputed| / |o|`` before a warning (fp16 stores
 #: measure ~2e-4 median and ~5e-3 worst on the SmolLM2 sample traces).
@@ -289,7 +297,8 @@ class ReplaySetup:
         """Gram blocks of ``trace``'s layer (None when off or without ``o_proj``), cached."""
         if not self.options.output_space or trace.o_proj is None:
             return None
-        key = (trace.layer, trace.o_proj.shape[0])
+        # A per-query-head view has other groups (n_kv = n_heads, G = 1) for the same o_proj.
+        key = (trace.layer, trace.o_proj.shape[0], trace.n_kv_heads)
         if key not in self._gram:
             self._gram[key] = gram_blocks(trace.o_proj, trace.n_kv_heads, trace.group_size,
                                           trace.keys.shape[2])
@@ -341,6 +350,14 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
     Returns
     -------
     LayerResult
+        Its ``trace`` is the layer the policies were replayed on: ``trace`` itself, or its
+        per-query-head view when the policies draw one sample per query head.
+
+    Raises
+    ------
+    ValueError
+        When the policies mix one sample per KV head with one per query head on a layer of
+        more than one query head per KV head (use :func:`replay_layer_runs`).
 
     Notes
     -----
@@ -348,6 +365,13 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
     (:func:`query_chunk`), so the ``(n_heads, queries, P)`` logits never exceed
     :data:`LOGIT_BUDGET_BYTES`; every per-query result is independent of the chunking.
     """
+    runs = layout_runs(trace, policies)
+    if len(runs) > 1:
+        raise ValueError("replay_layer: the policies mix one sample per KV head with gqa "
+                         "'head' (one sample per query head); replay them with "
+                         "replay_layer_runs, one run per layout")
+    if policies and policies[0].score.per_query_head:
+        trace = trace.per_query_head()
     setup = setup or ReplaySetup(options)
     options = setup.options
     seeds = np.asarray(seeds, dtype=np.int64)
@@ -450,6 +474,36 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
                        query_roles=[trace.query_roles[i] for i in qidx], output_check=check,
                        truth_norm=truth_norm, seeds=seeds, options=options, bounds=bounds,
                        boot=boot)
+
+
+def layout_runs(trace: LayerTrace, policies: list[Policy]) -> list[list[Policy]]:
+    """The policies cut into runs of consecutive ones that share a sample layout (one sample
+    per KV head, or per query head); one run when the layer's group size is 1, where the two
+    layouts are the same."""
+    if trace.group_size == 1:
+        return [list(policies)] if policies else []
+    runs: list[list[Policy]] = []
+    for p in policies:
+        if runs and runs[-1][0].score.per_query_head == p.score.per_query_head:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def replay_layer_runs(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
+                      n_layers: int, options: ReplayOptions | None = None,
+                      setup: ReplaySetup | None = None) -> list[LayerResult]:
+    """:func:`replay_layer` of every run of :func:`layout_runs`, in order.
+
+    Every (policy, seed) is replayed independently, so a policy's results do not depend on
+    the run it is replayed in; the runs' rows, concatenated, follow the order of ``policies``.
+    """
+    setup = setup or ReplaySetup(options)
+    if not policies:
+        raise ValueError("no policies to replay")
+    return [replay_layer(trace, run, seeds, n_layers, setup=setup)
+            for run in layout_runs(trace, policies)]
 
 
 def _bound_pass(trace: LayerTrace, policies: list[Policy], qidx: np.ndarray, qpos: np.ndarray,

@@ -115,7 +115,8 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
     G = tr.group_size
     out, lout = result.out, result.lout
     sat, sat_t = _satterthwaite(out, lout, result.options.alpha)
-    # Nominal budget of each (iteration, head, query) from its event and KV head.
+    # Nominal budget of each (iteration, head, query) from its event and KV head (the query
+    # head itself on a per-query-head view, where G = 1).
     ev_global = tabs.slot_ev[tabs.it_slot][:, None, None] + out[..., K.F_EVENT].astype(np.int64)
     kv_of_head = np.arange(H) // G
     budget = tabs.budget_tokens[ev_global, kv_of_head[None, :, None]].astype(np.float64)
@@ -158,7 +159,7 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
             cols[key].append(np.full(n_rows, value, dtype=object if isinstance(value, str)
                                      else None))
         cols["head"].append(head)
-        cols["kv_head"].append(head // G)
+        cols["kv_head"].append(head // tr.stored_group_size)  # of the stored layer
         cols["query_index"].append(result.query_index[qi])
         cols["query_position"].append(result.query_positions[qi])
         cols["query_role"].append(np.asarray(result.query_roles, dtype=object)[qi])

@@ -34,7 +34,7 @@ def calibrate(spec: SweepSpec, plan: TaskPlan, threads: int,
 
 
 def _calibrate(spec: SweepSpec, plan: TaskPlan, max_configs: int) -> Calibration:
-    from tracesim.replay import layer_batch, load_layer, replay_layer
+    from tracesim.replay import layer_batch, load_layer, replay_layer_runs
     from tracesim.store import open_store
     from tracesim.sweep.worker import warm_up
 
@@ -48,10 +48,12 @@ def _calibrate(spec: SweepSpec, plan: TaskPlan, max_configs: int) -> Calibration
     m = store.model
     trace = load_layer(store, seq, task.layers[0])
     t0 = time.perf_counter()
-    result = replay_layer(trace, policies, np.asarray(spec.seeds), m.n_layers, spec.options)
-    layer_batch(result, per_seed=spec.per_seed)
+    results = replay_layer_runs(trace, policies, np.asarray(spec.seeds), m.n_layers,
+                                spec.options)
+    for result in results:
+        layer_batch(result, per_seed=spec.per_seed)
     seconds = time.perf_counter() - t0
-    nq, P = result.query_positions.size, trace.n_positions
+    nq, P = results[0].query_positions.size, trace.n_positions
     work = sum(config_cost(p, len(spec.seeds), m.n_heads, m.n_kv_heads, nq, P,
                            trace.prompt_length, spec.per_seed)[0] for p in policies)
     work += m.n_heads * nq * P

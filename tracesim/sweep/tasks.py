@@ -126,7 +126,8 @@ def config_cost(p: Policy, n_seeds: int, heads: int, n_kv: int, nq: int, P: int,
         events += max(0, P - prompt) // int(p.schedule.every) + 1
     slots = n_seeds if p.score.seed_dependent else 1
     rows = (it if per_seed else 1) * heads * nq
-    nbytes = it * heads * nq * _N_FIELDS * 8 + slots * events * n_kv * P * 9 + rows * _ROW_BYTES
+    units = heads if p.score.per_query_head else n_kv  # inclusion tables per sample
+    nbytes = it * heads * nq * _N_FIELDS * 8 + slots * events * units * P * 9 + rows * _ROW_BYTES
     return float(it * heads * nq * P), float(nbytes), rows
 
 
