@@ -8,11 +8,12 @@ of one KV head (its key and value, ``2 d`` elements of ``bytes_per_element``):
   proxy's summary of every cached token: ``(sinks + window) x b + P x proxy_bits / 8``; every
   other token lives in the lower tier.
 - **Rows read per step.** A per-step design reads its proxy top-h and its sample from the
-  lower tier: ``kept - sinks - window - 1`` tokens (the current token is in HBM). A prefill
-  design reads none. With ``gqa: head`` every query head reads its own sample, so a KV head
-  reads the sum over its ``G`` query heads, ``G (kept - sinks - window - 1)`` with ``kept``
-  the mean per query head (rows two heads both sampled are counted twice: a gather that
-  reads their union reads fewer).
+  lower tier: ``kept - sinks - window`` tokens. ``kept`` is the ``kept_tokens`` column, which
+  counts the kept tokens of the step's cache ``[0, t)`` only, so the current token (always
+  kept, and in HBM) is already out of it. A prefill design reads none. With ``gqa: head``
+  every query head reads its own sample, so a KV head reads the sum over its ``G`` query
+  heads, ``G (kept - sinks - window)`` with ``kept`` the mean per query head (rows two heads
+  both sampled are counted twice: a gather that reads their union reads fewer).
 - **Bytes over the link.** Either those rows (``rows x b``), or, when attention over the
   sample runs where the rows live (as MagicPIG runs it on the CPU), only partial sums per
   query head: the Hájek numerator (``d``), denominator (1) and certificate sums (``d + 2``)
@@ -57,7 +58,8 @@ def cost_columns(table: pd.DataFrame, df: pd.DataFrame, head_dim: int = 64,
         if per_step:
             proxy = json.loads(meta["score_params"]).get("proxy", "exact")
             hbm = resident * b + P * make_proxy(proxy).bits_per_token(head_dim) / 8
-            rows = max(0.0, kept - resident - 1)
+            # kept_tokens stops before the step's own token: nothing more to subtract.
+            rows = max(0.0, kept - resident)
             if json.loads(meta["score_params"]).get("gqa") == "head":
                 rows *= G  # each query head reads its own sample (kept is per query head)
         else:

@@ -11,10 +11,27 @@ a child across fork and exec, so the figure would depend on whoever started the 
 
 The replay holds at most :data:`tracesim.replay.engine.LOGIT_BUDGET_BYTES` of logits; what
 grows with P is K, V (float64, ``n_kv x P x d x 8`` bytes each), the permanent uniforms
-(``seeds x n_kv x P x 8``) and the kernels' per-thread buffers over the kept tokens.
+(``seeds x n_kv x P x 8``) and the kernels' per-thread buffers over the kept tokens; a per-step
+design adds its inclusion probabilities at every step (``steps x n_kv x P x 8``) and its
+proxy's cached keys.
+
+Policies (``--policies``, comma-separated, budget 25 % throughout):
+
+- ``SCORE:DESIGN`` (e.g. ``snapkv:poisson``, ``h2o:bernoulli``): a prefill design, one-shot
+  schedule, every parameter at its default (Poisson mixture 0, SnapKV's ``last`` window).
+- ``perstep:PROXY:DESIGN`` (e.g. ``perstep:quant:4:poisson``, ``perstep:simhash:10,150:poisson``):
+  a per-step design (``docs/adaptive.md``), score ``perstep`` with that proxy spec (which may
+  hold colons and commas), schedule ``step`` (fresh uniforms), Poisson mixture 0.1 (the
+  study's setting), other parameters at their defaults. It needs a stored decode query at every
+  evaluated step: the layer's ``--decode`` queries sit at the consecutive positions
+  ``P - decode .. P - 1``, and each is one step.
+
+A comma followed by a digit continues the previous proxy spec (``simhash:10,150``), since no
+score name starts with a digit.
 
 Usage: ``python benchmarks/bench_long_context.py [--positions 131072] [--decode 64]
-[--seeds 32] [--json]``; run each size in a fresh process (peak RSS is per process).
+[--seeds 32] [--policies perstep:quant:4:poisson] [--json]``; run each size in a fresh process
+(peak RSS is per process).
 """
 
 from __future__ import annotations
@@ -56,21 +73,69 @@ def long_layer(P: int, n_decode: int = 64, n_heads: int = 9, n_kv: int = 3, d: i
                       sequence_id=f"long{P}", meta={"task": "synthetic", "correct": True})
 
 
+#: Poisson mixture of the per-step spelling (the per-step study's, ``data/sweeps/adaptive.yaml``).
+PERSTEP_MIXTURE = 0.1
+#: Budget of every spelling (a fraction of the compressible range, or of each step's cache).
+BUDGET = 0.25
+
+
+def split_policy_specs(text: str) -> list[str]:
+    """Split ``--policies`` at its commas, except a comma followed by a digit, which belongs to
+    a proxy spec (``perstep:simhash:10,150:poisson``)."""
+    specs: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if specs and part[:1].isdigit():
+            specs[-1] += "," + part
+        elif part:
+            specs.append(part)
+    return specs
+
+
+def policy_from_spec(spec: str):
+    """The :class:`tracesim.policies.Policy` of one ``--policies`` entry (module docstring).
+
+    Raises
+    ------
+    ValueError
+        On a spec that is neither ``SCORE:DESIGN`` nor ``perstep:PROXY:DESIGN``.
+    """
+    from tracesim.policies import make_policy
+
+    parts = spec.split(":")
+    if parts[0] == "perstep":
+        if len(parts) < 3:
+            raise ValueError(f"policy {spec!r}: a per-step design is spelled "
+                             "perstep:PROXY:DESIGN (e.g. perstep:quant:4:poisson)")
+        design = parts[-1]
+        params = {"mixture": PERSTEP_MIXTURE} if design == "poisson" else None
+        return make_policy("perstep", design, BUDGET, schedule="step", design_params=params,
+                           score_params={"proxy": ":".join(parts[1:-1])})
+    if len(parts) != 2:
+        raise ValueError(f"policy {spec!r}: expected SCORE:DESIGN or perstep:PROXY:DESIGN")
+    return make_policy(parts[0], parts[1], BUDGET)
+
+
+def parse_policies(text: str) -> list:
+    """Every policy of a ``--policies`` value, in order."""
+    return [policy_from_spec(s) for s in split_policy_specs(text)]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, default=131072)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--seeds", type=int, default=32)
     ap.add_argument("--policies", default="snapkv:poisson,snapkv:topk,h2o:bernoulli",
-                    help="comma-separated score:design pairs, budget 0.25")
+                    help="comma-separated SCORE:DESIGN or perstep:PROXY:DESIGN, budget 0.25 "
+                         "(module docstring)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    from tracesim.policies import make_policy
     from tracesim.replay import ReplayOptions, replay_layer
 
     start = peak_rss_mb()
     # Compile (or load the cache) on a tiny layer first, so the peak is the replay's.
-    pols = [make_policy(*p.split(":"), 0.25) for p in args.policies.split(",")]
+    pols = parse_policies(args.policies)
     replay_layer(long_layer(512, n_decode=4), pols, np.arange(2), n_layers=30)
     warm = peak_rss_mb()
     trace = long_layer(args.positions, n_decode=args.decode)

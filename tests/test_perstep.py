@@ -398,7 +398,8 @@ def test_cost_columns_follow_the_memory_model():
                                     capacity_gb=1.0, queue_depth=4),))
     t = cost_columns(adaptive_table(df, 8), df, head_dim=8, model=model).set_index("score")
     b = 2 * 8 * 2  # bytes of one token of one KV head (fp16 K and V)
-    rows_read = (100 - 4 - 32 - 1) * 2
+    # kept_tokens counts the step's cache [0, t): the current token is already out of it.
+    rows_read = (100 - 4 - 32) * 2
     assert t.loc["perstep", "read_rows"] == rows_read
     assert t.loc["perstep", "hbm_kib"] == pytest.approx((36 * b + 400 * 8 * 5 / 8) * 2 / 1024)
     assert t.loc["snapkv", "hbm_kib"] == pytest.approx(90 * b * 2 / 1024)

@@ -302,8 +302,8 @@ def test_adaptive_table_labels_gqa_and_costs_count_each_heads_rows():
                          "wald_t_cov": 1.0, "err2": 1.0, "cert2": 1.0})
     table = cost_columns(adaptive_table(pd.DataFrame(rows), 8), pd.DataFrame(rows), head_dim=8)
     t = table.set_index("gqa")
-    assert t.loc["mean", "read_rows"] == (100 - 36 - 1) * 2
-    assert t.loc["head", "read_rows"] == 3 * (90 - 36 - 1) * 2  # G x the per-head rows
+    assert t.loc["mean", "read_rows"] == (100 - 36) * 2  # kept_tokens excludes the current token
+    assert t.loc["head", "read_rows"] == 3 * (90 - 36) * 2  # G x the per-head rows
     assert t.loc["head", "hbm_kib"] == t.loc["mean", "hbm_kib"]  # same proxy, same stratum
 
 

@@ -19,6 +19,11 @@ __all__ = ["MAX_HASH_BITS", "SimHashProxy", "hyperplanes"]
 #: Largest K * L accepted: the codes cost K * L bits per token, and the (d, K L) hyperplanes
 #: and (P, K L) codes are held in memory (4096 bits = 8x the fp16 keys of d = 64).
 MAX_HASH_BITS = 4096
+#: Bytes of the float64 copy of the codes made at a time when counting agreeing bits (64 MiB:
+#: 5,592 positions at K L = 1500). A step at 131k positions would otherwise convert all its
+#: codes at once, twice (1.6 GB each). The counts are exact integers in float64 whatever the
+#: chunking, so the logits do not depend on it.
+CODE_CHUNK_BYTES = 64 << 20
 
 
 def hyperplanes(layer: int, kv_head: int, head_dim: int, n_bits: int, seed: int = 0) -> np.ndarray:
@@ -87,10 +92,14 @@ class SimHashProxy(Proxy):
         q = np.asarray(queries, dtype=np.float64)
         qcode = (q @ W) > 0  # (n, nb)
         nb = W.shape[1]
-        # agreements = matches of ones + matches of zeros, as two GEMMs over {0, 1}
-        c = codes[:end].astype(np.float64)
+        # agreements = matches of ones + matches of zeros, as two GEMMs over {0, 1}, over
+        # chunks of positions (sums of 0/1 products: exact, so chunking changes no bit)
         qc = qcode.astype(np.float64)
-        agree = qc @ c.T + (1.0 - qc) @ (1.0 - c).T
+        agree = np.empty((qc.shape[0], end))
+        step = max(1, CODE_CHUNK_BYTES // (8 * nb))
+        for a in range(0, end, step):
+            c = codes[a:min(end, a + step)].astype(np.float64)
+            agree[:, a:a + c.shape[0]] = qc @ c.T + (1.0 - qc) @ (1.0 - c).T
         theta = np.pi * (1.0 - agree / nb)
         qn = np.linalg.norm(q, axis=1)[:, None]
         return (qn * norms[None, :end] * np.cos(theta) + (q @ mu)[:, None]) * trace.scale
