@@ -161,7 +161,7 @@ class EventParts(NamedTuple):
 
 class OutputSpace(NamedTuple):
     """Operands of the output-space (GQA) certificate and the layer error
-    (:class:`tracesim.replay.engine.GramBlocks`); an empty ``rpack`` turns both off.
+    (:class:`tracesim.replay.output_space.GramBlocks`); an empty ``rpack`` turns both off.
 
     Attributes
     ----------
