@@ -46,7 +46,9 @@ REQUIRED_COLUMNS = (
     "certified", "err2", "rel_err", "cert2", "tail_size", "n_eff", "wald_cov", "wald_t_cov",
     "kept_tokens")
 OPTIONAL_COLUMNS = ("store", "max_tail_weight", "deployable", "bound2", "bound_cov",
-                    "summary_tokens", "summary_page", "boot_cov", "seed", "n_seeds")
+                    "summary_tokens", "summary_page", "boot_cov", "seed", "n_seeds",
+                    # the per-step section's costs (analysis.frontier_cli.perstep_costs_markdown)
+                    "kv_head", "n_positions", "sinks", "window")
 #: Strata kinds, in report order; ``store`` only when there are several stores.
 STRATA = ("m", "n_eff", "layer", "head", "query_role", "task", "store")
 #: The issue's aim at a 25 % budget.

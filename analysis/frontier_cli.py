@@ -37,8 +37,8 @@ from analysis.validity import (
 )
 from tracesim.atomic import atomic_files
 
-__all__ = ["FILES", "load_frontier_results", "pareto_figure", "register", "render_markdown",
-           "run_frontier"]
+__all__ = ["FILES", "load_frontier_results", "pareto_figure", "perstep_costs_markdown", "register",
+           "render_markdown", "run_frontier"]
 
 FILES = ("frontier.parquet", "frontier.md", "frontier.png", "validity_rules.json")
 _DEFAULT_PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
@@ -201,6 +201,55 @@ def render_markdown(table: pd.DataFrame, notes: list[str],
     return "\n".join(md)
 
 
+def _head_dim(results: str | Path) -> int:
+    """The stores' head dimension from the results' ``summary.json`` (64 when not recorded)."""
+    from analysis.provenance import _store_model
+    from tracesim.safeio import read_json
+
+    p = Path(results)
+    for summary in ([p / "results" / "summary.json", p / "summary.json"] if p.is_dir()
+                    else [p.parent / "summary.json"]):
+        if not summary.is_file():
+            continue
+        try:
+            doc = read_json(summary, "results summary.json", limit=16 << 20)
+        except (OSError, ValueError):
+            return 64
+        stores = [s.get("path") for s in doc.get("stores", []) if isinstance(s, dict)]
+        for store in [*stores, doc.get("store")]:
+            model = _store_model(store) if isinstance(store, str) else None
+            if model and model.get("head_dim"):
+                return int(model["head_dim"])
+    return 64
+
+
+def perstep_costs_markdown(df: pd.DataFrame, head_dim: int = 64) -> str:
+    """frontier.md's section on per-step designs (empty without per-step rows): error and Wald
+    coverage of every configuration next to the HBM it holds and the bytes attention reads per
+    layer and step (:mod:`analysis.adaptive_figure`), prefill designs alongside. The frontier's
+    memory axis (kept + summary tokens) does not describe a design that reads the whole cache
+    from a lower tier, so they are tabulated against these two costs instead."""
+    needed = ("schedule", "kv_head", "n_positions", "sinks", "window")
+    if any(c not in df for c in needed) or not (df["schedule"] == "step").any():
+        return ""
+    from analysis.adaptive import adaptive_table
+    from analysis.adaptive_costs import cost_columns
+    from analysis.adaptive_figure import step_read_kib
+
+    t = cost_columns(adaptive_table(df, head_dim), df, head_dim)
+    t["step_read_kib"] = step_read_kib(t, df, head_dim)
+    rows = [[r.score, r.proxy, r.design, r.schedule, _f(r.budget), _f(r.wald), _f(r.mse, 4),
+             _f(r.hbm_kib, 5), _f(r.step_read_kib, 5), _f(r.read_rows, 6)]
+            for r in t.itertuples(index=False)]
+    md = ["", "## Per-step designs: error and coverage against HBM and bytes per step", "",
+          "Per layer and decode step, summed over KV heads (fp16 K/V and the tiers memory "
+          "model's defaults; docs/adaptive.md, Costs). Bytes read include a per-step design's "
+          "proxy summary of every cached token.", ""]
+    md += _md_table(["score", "proxy", "design", "schedule", "budget", "Wald", "MSE",
+                     "HBM KiB", "read KiB / step", "rows from the lower tier"], rows)
+    return "\n".join(md) + "\n"
+
+
 def run_frontier(results: str | Path, out: str | Path, *,
                  prereg_path: str | Path = _DEFAULT_PREREG, rules_path: str | Path | None = None,
                  alpha: float = 0.05) -> tuple[pd.DataFrame, list[str]]:
@@ -243,7 +292,9 @@ def run_frontier(results: str | Path, out: str | Path, *,
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), buf)
     with atomic_files(out, list(FILES)) as stage:  # the four files or none of them
         (stage / "frontier.parquet").write_bytes(buf.getvalue())
-        (stage / "frontier.md").write_bytes(render_markdown(table, notes, rules).encode())
+        (stage / "frontier.md").write_bytes((render_markdown(table, notes, rules)
+                                             + perstep_costs_markdown(df, _head_dim(results))
+                                             ).encode())
         (stage / "frontier.png").write_bytes(pareto_figure(table))
         save_rules(stage / "validity_rules.json", rules, settings)
     return table, notes

@@ -439,6 +439,30 @@ def test_frontier_counts_the_bytes_each_step_reads_and_draws():
     assert frontier_figure(table.assign(hbm_kib=np.nan)) is None
 
 
+def test_frontier_md_tabulates_per_step_designs_against_their_costs(tmp_path):
+    from analysis.frontier_cli import perstep_costs_markdown, run_frontier
+    from tests.replay_fixtures import build_store
+    from tracesim.integrity import sign_results
+    from tracesim.replay import replay
+    from tracesim.store import open_store
+
+    store = open_store(build_store(tmp_path / "store", n_seqs=2, n_layers=1))
+    pols = [make_policy("perstep", "poisson", 0.4, schedule="step",
+                        score_params={"proxy": "quant:4", "window": 8}),
+            make_policy("snapkv", "poisson", 0.4, score_params={"window": 8})]
+    df = replay(store, pols, seeds=2, progress=False)
+    assert perstep_costs_markdown(df.to_pandas()[lambda d: d.score == "snapkv"]) == ""
+    import pyarrow.parquet as pq
+
+    pq.write_table(df, tmp_path / "results.parquet")
+    sign_results(tmp_path / "results.parquet")
+    run_frontier(tmp_path / "results.parquet", tmp_path / "front")
+    md = (tmp_path / "front" / "frontier.md").read_text()
+    section = md[md.index("## Per-step designs"):]
+    assert "| perstep | quant:4 | poisson | step(fresh) |" in section
+    assert "| snapkv | — | poisson | oneshot |" in section
+
+
 def test_claims_need_two_sequences_and_paired_sequences():
     import pandas as pd
 
