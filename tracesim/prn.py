@@ -144,18 +144,32 @@ def _mix32(x: np.uint64) -> np.uint64:
     return x
 
 
-@nb.njit(cache=True)
-def _uniform(seed: np.uint64, stream: np.uint64, layer: np.uint64, kv_head: np.uint64,
-             position: np.uint64) -> float:
+@nb.njit(cache=True, inline="always")
+def key_prefix(seed: np.uint64, stream: np.uint64, layer: np.uint64,
+               kv_head: np.uint64) -> np.uint64:
+    """The hash state after ``(seed, stream, layer, kv_head)``: shared by every position of
+    one key, so a caller drawing many positions computes it once (:func:`uniform_at`)."""
     h = _mix32(seed ^ _K_SEED)
     h = _mix32(h ^ stream ^ _K_STREAM)
     h = _mix32(h ^ layer ^ _K_LAYER)
-    h = _mix32(h ^ kv_head ^ _K_HEAD)
-    h = _mix32(h ^ position ^ _K_POS)
+    return _mix32(h ^ kv_head ^ _K_HEAD)
+
+
+@nb.njit(cache=True, inline="always")
+def uniform_at(prefix: np.uint64, position: np.uint64) -> float:
+    """The uniform of ``position`` from its key's :func:`key_prefix` (the same integer
+    operations as :func:`_uniform`, so the same float64)."""
+    h = _mix32(prefix ^ position ^ _K_POS)
     g = _mix32(h ^ _K_FINAL)
     hi = float(h >> _S6)
     lo = float(g >> _S6)
     return (hi * _TWO26 + lo + 0.5) / _TWO52
+
+
+@nb.njit(cache=True)
+def _uniform(seed: np.uint64, stream: np.uint64, layer: np.uint64, kv_head: np.uint64,
+             position: np.uint64) -> float:
+    return uniform_at(key_prefix(seed, stream, layer, kv_head), position)
 
 
 @nb.njit(cache=True)
@@ -243,9 +257,10 @@ def step_uniforms_into(seed, stream, layer, kv_head, end, out):
     """Uniforms of ``stream`` for positions ``[0, end)`` into ``out[:end]``; ``out[end:]`` = 0
     (every later position is kept whatever its ``pi``). For compiled callers (the replay
     kernel draws each fresh per-step sample here instead of storing one table per step)."""
+    prefix = key_prefix(np.uint64(seed), np.uint64(stream), np.uint64(layer),
+                        np.uint64(kv_head))
     for p in range(end):
-        out[p] = _uniform(np.uint64(seed), np.uint64(stream), np.uint64(layer),
-                          np.uint64(kv_head), np.uint64(p))
+        out[p] = uniform_at(prefix, np.uint64(p))
     for p in range(end, out.size):
         out[p] = 0.0
 
@@ -263,8 +278,9 @@ def _uniform_grid_job(job: int, seeds: np.ndarray, stream: np.uint64, layer: np.
     n_kv = out.shape[1]
     i = job // n_kv
     g = job % n_kv
+    prefix = key_prefix(np.uint64(seeds[i]), stream, layer, np.uint64(g))
     for p in range(out.shape[2]):
-        out[i, g, p] = _uniform(np.uint64(seeds[i]), stream, layer, np.uint64(g), np.uint64(p))
+        out[i, g, p] = uniform_at(prefix, np.uint64(p))
 
 
 @nb.njit(cache=True, parallel=True)

@@ -25,6 +25,16 @@ def capped_pps_scale(x: np.ndarray, n: float, floor: float) -> float:
     for i in range(N):
         prefix[i + 1] = prefix[i] + xs[i]
     first_positive = np.searchsorted(xs, 0.0, side="right")
+    if floor == 0.0:
+        return _scale_without_floor(xs, prefix, first_positive, n, floor)
+    return _scale_by_sweep(xs, prefix, first_positive, n, floor)
+
+
+@nb.njit(cache=True)
+def _scale_by_sweep(xs, prefix, first_positive, n, floor):
+    """:func:`capped_pps_scale`'s sweep over the stably sorted breakpoints (any ``floor``);
+    ``xs`` sorted ascending, ``prefix`` its prefix sums, ``xs[first_positive:] > 0``."""
+    N = xs.size
     n_pos = N - first_positive
     at = np.empty(2 * n_pos)
     kind = np.empty(2 * n_pos, dtype=np.int8)  # 0: leaves the floor, 1: reaches the cap
@@ -52,6 +62,45 @@ def capped_pps_scale(x: np.ndarray, n: float, floor: float) -> float:
     # Every positive-score token is capped; the rest sit at the floor.
     if lo * floor + (N - hi) >= n * (1 - 1e-12):
         return at[order[2 * n_pos - 1]] if n_pos > 0 else 0.0
+    return -1.0
+
+
+@nb.njit(cache=True)
+def _scale_without_floor(xs, prefix, first_positive, n, floor):
+    """:func:`capped_pps_scale`'s sweep when ``floor`` is 0, without sorting the breakpoints.
+
+    Every "leaves the floor" breakpoint is then ``floor / x = 0`` and every "reaches the cap"
+    one ``1 / x > 0``, so the stable sort of the general sweep puts the former first (in
+    ascending score order) and the latter in ascending ``1 / x``, i.e. descending score
+    (``1 / x`` is monotone; among equal breakpoints the order is immaterial: each event only
+    moves ``lo`` or ``hi`` by one and they share ``c``). The same expressions are evaluated
+    at the same breakpoints in the same order, so the result is the general sweep's, bit for
+    bit, at O(N) after the sort of the scores.
+    """
+    N = xs.size
+    n_pos = N - first_positive
+    lo = N
+    hi = N
+    for j in range(n_pos):
+        c = floor / xs[first_positive + j]
+        slope = prefix[hi] - prefix[lo]
+        value = lo * floor + slope * c + (N - hi)
+        if value >= n:
+            if slope > 0.0:
+                return (n - lo * floor - (N - hi)) / slope
+            return c
+        lo -= 1
+    for j in range(n_pos - 1, -1, -1):
+        c = 1.0 / xs[first_positive + j]
+        slope = prefix[hi] - prefix[lo]
+        value = lo * floor + slope * c + (N - hi)
+        if value >= n:
+            if slope > 0.0:
+                return (n - lo * floor - (N - hi)) / slope
+            return c
+        hi -= 1
+    if lo * floor + (N - hi) >= n * (1 - 1e-12):
+        return 1.0 / xs[first_positive] if n_pos > 0 else 0.0
     return -1.0
 
 

@@ -56,21 +56,65 @@ def gather_kept(pi_row, u_row, kmask_row, use_mask, tau, keptflag, kept_idx):
 
 
 @nb.njit(cache=True)
+def gather_by_rule(pi_row, u_row, tau, keptflag, kept_idx):
+    """:func:`gather_kept` for the rule ``u < pi`` (no mask) in one branch-free pass.
+
+    Tail positions are stored from the front of ``kept_idx`` and take-all ones from its end
+    (descending), then moved behind the tail, so the kept set, its order, ``kb`` and ``ex``
+    (``pi`` added in the same position order) are those of :func:`gather_kept`, bit for bit.
+    """
+    P = pi_row.size
+    mt = 0
+    n_ta = 0
+    kb = 0
+    ex = 0.0
+    # Every position is written to both lists' next free slot and the counts advance by the
+    # tests: the kept decision is a coin flip, on which branches mispredict. The slots never
+    # collide with stored entries (mt + n_ta <= p before position p).
+    for p in range(P):
+        pv = pi_row[p]
+        before = p < tau
+        take = pv >= 1.0
+        k = u_row[p] < pv
+        keptflag[p] = k
+        kept_idx[mt] = p
+        mt += k and not take
+        kept_idx[P - 1 - n_ta] = p
+        n_ta += take
+        if before:
+            ex += pv
+            kb += k
+    # The take-all block [P - n_ta, P) is descending: reverse it, then shift it left behind
+    # the tail (moving left, the destination never passes an unread source entry).
+    lo = P - n_ta
+    for i in range(n_ta // 2):
+        a = kept_idx[lo + i]
+        kept_idx[lo + i] = kept_idx[P - 1 - i]
+        kept_idx[P - 1 - i] = a
+    for i in range(n_ta):
+        kept_idx[mt + i] = kept_idx[lo + i]
+    return mt, mt + n_ta, kb, ex
+
+
+@nb.njit(cache=True)
 def event_kept(incl, e, g, s, ks, u, seed_values, layer_index, keptflag, kept_idx, ufresh):
     """Kept set of event ``e`` for KV head ``g`` and seed slot ``s`` (:func:`gather_kept`).
 
     The uniforms are the permanent ones ``u[s, g]``, or, for a fresh per-step sample
     (``incl.ev_stream[e] >= 0``), that step's own stream drawn into ``ufresh`` (shape (P,));
-    ``ks >= 0`` reads the fixed-size design's kept mask instead. The replay kernel and the
-    bootstrap kernel both gather through here, so they resample exactly the same set.
+    ``ks >= 0`` reads the fixed-size design's kept mask instead (no uniforms needed). The
+    replay kernel and the bootstrap kernel both gather through here, so they resample exactly
+    the same set.
     """
+    if ks >= 0:
+        return gather_kept(incl.pi[e, g], u[s, g], incl.kmask[ks, g], True, incl.tau[e],
+                           keptflag, kept_idx)
     urow = u[s, g]
     if incl.ev_stream[e] >= 0:
         step_uniforms_into(seed_values[s], incl.ev_stream[e], layer_index, g, incl.tau[e],
                            ufresh)
         urow = ufresh
-    return gather_kept(incl.pi[e, g], urow, incl.kmask[max(ks, 0), g], ks >= 0, incl.tau[e],
-                       keptflag, kept_idx)
+    return gather_by_rule(incl.pi[e, g], urow, incl.tau[e], keptflag, kept_idx)
 
 
 @nb.njit(cache=True)
