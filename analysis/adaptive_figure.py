@@ -107,12 +107,20 @@ def frontier_figure(table: pd.DataFrame, nominal: float = 0.95) -> tuple[bytes, 
 
 def add_to_report(report, results: pd.DataFrame, head_dim: int = 64) -> None:
     """The report's per-step table (:func:`analysis.adaptive.adaptive_table` with the costs and
-    ``step_read_kib``) and :func:`frontier_figure`."""
-    from analysis.adaptive import adaptive_table
+    ``step_read_kib``; one part per store when the results hold several, as a length sweep
+    does) and :func:`frontier_figure`."""
+    from analysis.adaptive import adaptive_table, by_table
     from analysis.adaptive_costs import cost_columns
 
     table = cost_columns(adaptive_table(results, head_dim), results, head_dim)
     table["step_read_kib"] = step_read_kib(table, results, head_dim)
-    report.tables["per-step designs"] = table.to_string(
+    several = "store" in results and results["store"].nunique() > 1
+    # Stores of different lengths (a length sweep) are tabulated apart; the figure pools them.
+    shown = by_table(results, "store", head_dim) if several else table
+    report.tables["per-step designs"] = shown.to_string(
         index=False, float_format=lambda x: f"{x:.4g}")
-    report.add_figure("perstep_frontier", frontier_figure(table))
+    made = frontier_figure(table)
+    if made is not None and several:
+        made = (made[0], made[1] + f" Pooled over {results['store'].nunique()} stores; the "
+                "table lists each store apart.")
+    report.add_figure("perstep_frontier", made)

@@ -318,6 +318,20 @@ def test_by_table_keeps_each_store_apart(tmp_path):
     assert "read_rows" in table.columns
     with pytest.raises(ValueError, match="--by 'nope'"):
         by_table(df, "nope")
+    # The report lists several stores apart and pools them in the figure.
+    from analysis.adaptive_figure import add_to_report
+
+    class Report:
+        tables: dict = {}
+        figures: dict = {}
+
+        def add_figure(self, name, made):
+            self.figures[name] = made
+
+    report = Report()
+    add_to_report(report, pd.concat([a, b], ignore_index=True), head_dim=8)
+    assert report.tables["per-step designs"].splitlines()[0].split()[0] == "store"
+    assert "Pooled over 2 stores" in report.figures["perstep_frontier"][1]
 
 
 def _frame(config, n_seq, cov, err2, cert2=1.0, rng=None, **meta):
