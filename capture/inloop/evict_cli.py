@@ -148,7 +148,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--per-task", type=int, default=None, metavar="N",
                    help="run only the first N sequences of each task, in manifest order (the "
-                   "rest can be added later into the same --out: finished sequences are kept)")
+                   "rest can be added later into the same --out: finished sequences are kept) "
+                   "(default: every sequence of the store)")
     p.add_argument("--no-layer-certificate", action="store_true",
                    help="skip the per-layer output-space certificate (cheaper decode steps)")
     p.add_argument("--fetch", default=None, metavar="SCHEDULERS",
