@@ -96,3 +96,24 @@ def synthetic_trace(seed: int = 0, *, n_heads: int = 4, n_kv: int = 2, d: int = 
                       query_roles=roles, prompt_length=prompt_length, question_start=qs,
                       scale=d**-0.5, o_proj=W, sequence_id=f"syn{seed}",
                       meta={"task": "synthetic", "correct": True})
+
+
+def assert_same_on_one_and_two_threads(trace: LayerTrace, policies: list, seeds: np.ndarray,
+                                       **options) -> tuple:
+    """Replay on 1 and on 2 numba threads and assert the two results are the same bytes
+    (``out`` and ``lout``); returns both. ``options`` go to :func:`replay_layer`."""
+    import numba
+
+    from tracesim.replay import replay_layer
+
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = replay_layer(trace, policies, seeds, n_layers=2, **options)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = replay_layer(trace, policies, seeds, n_layers=2, **options)
+    finally:
+        numba.set_num_threads(before)
+    assert one.out.tobytes() == two.out.tobytes()
+    assert one.lout.tobytes() == two.lout.tobytes()
+    return one, two

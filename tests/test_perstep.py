@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import itertools
 
-import numba
 import numpy as np
 import pandas as pd
 import pytest
 
-from tests.replay_fixtures import synthetic_trace
+from tests.replay_fixtures import assert_same_on_one_and_two_threads, synthetic_trace
 from tracesim.policies import make_policy, make_score
 from tracesim.policies.grid import expand_grid
 from tracesim.proxies import (
@@ -263,17 +262,7 @@ def test_per_step_results_are_bit_identical_across_threads(trace):
     pols = [make_policy("perstep", "poisson", 0.3, schedule=s, score_params={"proxy": p,
                                                                              "window": 8})
             for p in ("quant:2", "simhash:4,32") for s in ("step", "step:permanent")]
-    seeds = np.array([3, 1, 4])
-    before = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
-        one = replay_layer(trace, pols, seeds, n_layers=2)
-        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-        two = replay_layer(trace, pols, seeds, n_layers=2)
-    finally:
-        numba.set_num_threads(before)
-    assert one.out.tobytes() == two.out.tobytes()
-    assert one.lout.tobytes() == two.lout.tobytes()
+    assert_same_on_one_and_two_threads(trace, pols, np.array([3, 1, 4]))
 
 
 def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):

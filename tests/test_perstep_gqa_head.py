@@ -9,14 +9,13 @@ certificate and output-space certificate of independent per-head samples, and eq
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import pandas as pd
 import pytest
 import yaml
 
 from tests.reference import capped_pps_iterative, full_attention_reference, hajek_reference
-from tests.replay_fixtures import build_store, synthetic_trace
+from tests.replay_fixtures import assert_same_on_one_and_two_threads, build_store, synthetic_trace
 from tracesim.kernels import replay as K
 from tracesim.policies import make_policy, make_score
 from tracesim.policies.grid import SpecError, expand_grid
@@ -162,17 +161,7 @@ def test_full_budget_gives_zero_error(trace):
 def test_bit_identical_across_threads(trace):
     pols = [_policy("head", p, s) for p in ("quant:4", "simhash:4,32")
             for s in ("step", "step:permanent")]
-    seeds = np.array([3, 1, 4])
-    before = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
-        one = replay_layer(trace, pols, seeds, n_layers=2)
-        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-        two = replay_layer(trace, pols, seeds, n_layers=2)
-    finally:
-        numba.set_num_threads(before)
-    assert one.out.tobytes() == two.out.tobytes()
-    assert one.lout.tobytes() == two.lout.tobytes()
+    assert_same_on_one_and_two_threads(trace, pols, np.array([3, 1, 4]))
 
 
 def test_mixed_lists_replay_in_runs_and_rows_name_the_stored_kv_head(trace, tmp_path):

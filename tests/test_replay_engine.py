@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import pytest
 
-from tests.replay_fixtures import synthetic_trace
+from tests.replay_fixtures import assert_same_on_one_and_two_threads, synthetic_trace
 from tests.replay_reference import reference_replay
 from tracesim import output_space_certificate
 from tracesim.budgets import Budget
@@ -118,16 +117,7 @@ def test_bit_identical_across_threads_and_orders(precision):
     policies = _policies()[:8]
     seeds = np.array([4, 9, 1])
     opts = ReplayOptions(precision=precision)
-    before = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
-        one = replay_layer(trace, policies, seeds, n_layers=2, options=opts)
-        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-        two = replay_layer(trace, policies, seeds, n_layers=2, options=opts)
-    finally:
-        numba.set_num_threads(before)
-    assert one.out.tobytes() == two.out.tobytes()
-    assert one.lout.tobytes() == two.lout.tobytes()
+    one, _ = assert_same_on_one_and_two_threads(trace, policies, seeds, options=opts)
     # Reversed policy list and seed order: the same (policy, seed) results, bit for bit.
     rev = replay_layer(trace, policies[::-1], seeds[::-1], n_layers=2, options=opts)
     for c in range(len(policies)):

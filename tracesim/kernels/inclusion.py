@@ -65,6 +65,19 @@ def _scale_by_sweep(xs, prefix, first_positive, n, floor):
     return -1.0
 
 
+@nb.njit(cache=True, inline="always")
+def _crossing(c, prefix, lo, hi, N, n, floor):
+    """The scale if the expected size at breakpoint ``c`` reaches ``n`` (the general sweep's
+    expressions, in its order), else NaN."""
+    slope = prefix[hi] - prefix[lo]
+    value = lo * floor + slope * c + (N - hi)
+    if value >= n:
+        if slope > 0.0:
+            return (n - lo * floor - (N - hi)) / slope
+        return c
+    return np.nan
+
+
 @nb.njit(cache=True)
 def _scale_without_floor(xs, prefix, first_positive, n, floor):
     """:func:`capped_pps_scale`'s sweep when ``floor`` is 0, without sorting the breakpoints.
@@ -82,21 +95,13 @@ def _scale_without_floor(xs, prefix, first_positive, n, floor):
     lo = N
     hi = N
     for j in range(n_pos):
-        c = floor / xs[first_positive + j]
-        slope = prefix[hi] - prefix[lo]
-        value = lo * floor + slope * c + (N - hi)
-        if value >= n:
-            if slope > 0.0:
-                return (n - lo * floor - (N - hi)) / slope
+        c = _crossing(floor / xs[first_positive + j], prefix, lo, hi, N, n, floor)
+        if c == c:  # not NaN: the budget is reached at this breakpoint
             return c
         lo -= 1
     for j in range(n_pos - 1, -1, -1):
-        c = 1.0 / xs[first_positive + j]
-        slope = prefix[hi] - prefix[lo]
-        value = lo * floor + slope * c + (N - hi)
-        if value >= n:
-            if slope > 0.0:
-                return (n - lo * floor - (N - hi)) / slope
+        c = _crossing(1.0 / xs[first_positive + j], prefix, lo, hi, N, n, floor)
+        if c == c:
             return c
         hi -= 1
     if lo * floor + (N - hi) >= n * (1 - 1e-12):
