@@ -48,12 +48,8 @@ def _scale_by_sweep(xs, prefix, first_positive, n, floor):
     hi = N
     for e in range(2 * n_pos):
         k = order[e]
-        c = at[k]
-        slope = prefix[hi] - prefix[lo]
-        value = lo * floor + slope * c + (N - hi)
-        if value >= n:
-            if slope > 0.0:
-                return (n - lo * floor - (N - hi)) / slope
+        c = _crossing(at[k], prefix, lo, hi, N, n, floor)
+        if c == c:  # not NaN: the budget is reached at this breakpoint
             return c
         if kind[k] == 0:
             lo -= 1
