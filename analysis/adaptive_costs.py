@@ -14,6 +14,10 @@ of one KV head (its key and value, ``2 d`` elements of ``bytes_per_element``):
   every query head reads its own sample, so a KV head reads the sum over its ``G`` query
   heads, ``G (kept - sinks - window)`` with ``kept`` the mean per query head (rows two heads
   both sampled are counted twice: a gather that reads their union reads fewer).
+- **Bytes attention reads per step** (``step_read_kib``), wherever they live: the attended
+  tokens' keys and values (``kept x b``, ``G`` times for ``gqa: head``), plus, for a per-step
+  design, the proxy's summary of every cached token, which it scores before it samples
+  (``P x proxy_bits / 8``). This is what ``tracesim evict`` reports as ``step_bytes``.
 - **Bytes over the link.** Either those rows (``rows x b``), or, when attention over the
   sample runs where the rows live (as MagicPIG runs it on the CPU), only partial sums per
   query head: the Hájek numerator (``d``), denominator (1) and certificate sums (``d + 2``)
@@ -37,8 +41,8 @@ __all__ = ["cost_columns"]
 def cost_columns(table: pd.DataFrame, df: pd.DataFrame, head_dim: int = 64,
                  model=None) -> pd.DataFrame:
     """``table`` (:func:`analysis.adaptive.adaptive_table`) with the cost columns added:
-    ``hbm_kib``, ``read_rows``, ``link_kib`` (rows), ``link_kib_partial``, ``step_us`` (rows)
-    and ``step_us_partial``, per layer and decode step (module docstring)."""
+    ``hbm_kib``, ``read_rows``, ``link_kib`` (rows), ``link_kib_partial``, ``step_us`` (rows),
+    ``step_us_partial`` and ``step_read_kib``, per layer and decode step (module docstring)."""
     from tracesim.proxies import make_proxy
     from tracesim.tiers.model import MemoryModel
 
@@ -56,18 +60,22 @@ def cost_columns(table: pd.DataFrame, df: pd.DataFrame, head_dim: int = 64,
         per_step = meta["score"] == "perstep"
         resident = int(meta["sinks"]) + int(meta["window"])
         if per_step:
-            proxy = json.loads(meta["score_params"]).get("proxy", "exact")
-            hbm = resident * b + P * make_proxy(proxy).bits_per_token(head_dim) / 8
+            params = json.loads(meta["score_params"])
+            summary = P * make_proxy(params.get("proxy", "exact")).bits_per_token(head_dim) / 8
+            hbm = resident * b + summary
             # kept_tokens stops before the step's own token: nothing more to subtract.
             rows = max(0.0, kept - resident)
-            if json.loads(meta["score_params"]).get("gqa") == "head":
-                rows *= G  # each query head reads its own sample (kept is per query head)
+            # each query head reads its own sample with gqa: head (kept is per query head)
+            samples = G if params.get("gqa") == "head" else 1
+            rows *= samples
+            read = kept * b * samples + summary  # the step scores every token's summary
         else:
-            hbm, rows = kept * b, 0.0
+            hbm, rows, read = kept * b, 0.0, kept * b
         partial = G * (2 * head_dim + 3) * 4 if per_step else 0.0
         t_rows = float(tier.fetch_seconds(rows * n_kv, rows * n_kv * b)) if rows else 0.0
         t_part = float(tier.fetch_seconds(n_kv, partial * n_kv)) if per_step else 0.0
         out.append({"hbm_kib": hbm * n_kv / 1024, "read_rows": rows * n_kv,
                     "link_kib": rows * n_kv * b / 1024, "link_kib_partial": partial * n_kv / 1024,
-                    "step_us": t_rows * 1e6, "step_us_partial": t_part * 1e6})
+                    "step_us": t_rows * 1e6, "step_us_partial": t_part * 1e6,
+                    "step_read_kib": read * n_kv / 1024})
     return pd.concat([table.reset_index(drop=True), pd.DataFrame(out)], axis=1)

@@ -6,10 +6,8 @@ KV heads:
 
 - **HBM** (``hbm_kib``): what stays in fast memory between steps (a prefill design's kept set; a
   per-step design's sinks, window and proxy summary of every cached token).
-- **Bytes per step** (``step_read_kib``): what attention reads at one step wherever it lives —
-  the attended tokens' keys and values (``kept x b``), plus, for a per-step design, the proxy's
-  summary of every cached token, which it scores before it samples (``P x proxy_bits / 8``).
-  This is the quantity ``tracesim evict`` reports as ``step_bytes``.
+- **Bytes per step** (``step_read_kib``): what attention reads at one step wherever it lives,
+  the proxy's summary of every cached token included (:mod:`analysis.adaptive_costs`).
 
 The top panels plot the mean squared error (log scale), the bottom ones Wald coverage of all
 rows, with the nominal level as a line; uncertified configurations (top-k) have no coverage
@@ -18,39 +16,12 @@ and appear in the top panels only.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pandas as pd
 
 from analysis.plotting import png_bytes, pyplot
 
-__all__ = ["add_to_report", "frontier_figure", "step_read_kib"]
-
-
-def step_read_kib(table: pd.DataFrame, df: pd.DataFrame, head_dim: int = 64,
-                  model=None) -> np.ndarray:
-    """Bytes attention reads per layer and decode step (KiB, summed over KV heads), one value
-    per row of ``table`` (module docstring; ``table`` as :func:`analysis.adaptive.adaptive_table`
-    returns it, in its configuration order)."""
-    from tracesim.proxies import make_proxy
-    from tracesim.tiers.model import MemoryModel
-
-    b = (model or MemoryModel()).token_bytes(head_dim)
-    n_kv = int(df["kv_head"].nunique())
-    first = df.drop_duplicates("config_id").set_index("config_id")
-    out = []
-    for cid, g in df.groupby("config_id", sort=False):
-        meta = first.loc[cid]
-        read = float(g["kept_tokens"].mean()) * b
-        if meta["score"] == "perstep":
-            proxy = json.loads(meta["score_params"]).get("proxy", "exact")
-            read += float(g["n_positions"].mean()) * make_proxy(proxy).bits_per_token(
-                head_dim) / 8
-        out.append(read * n_kv / 1024)
-    if len(out) != len(table):
-        raise ValueError(f"step_read_kib: {len(table)} table rows for {len(out)} configurations")
-    return np.asarray(out)
+__all__ = ["add_to_report", "frontier_figure"]
 
 
 def _label(row: pd.Series) -> str:
@@ -106,14 +77,13 @@ def frontier_figure(table: pd.DataFrame, nominal: float = 0.95) -> tuple[bytes, 
 
 
 def add_to_report(report, results: pd.DataFrame, head_dim: int = 64) -> None:
-    """The report's per-step table (:func:`analysis.adaptive.adaptive_table` with the costs and
-    ``step_read_kib``; one part per store when the results hold several, as a length sweep
-    does) and :func:`frontier_figure`."""
+    """The report's per-step table (:func:`analysis.adaptive.adaptive_table` with the costs of
+    :func:`analysis.adaptive_costs.cost_columns`; one part per store when the results hold
+    several, as a length sweep does) and :func:`frontier_figure`."""
     from analysis.adaptive import adaptive_table, by_table
     from analysis.adaptive_costs import cost_columns
 
     table = cost_columns(adaptive_table(results, head_dim), results, head_dim)
-    table["step_read_kib"] = step_read_kib(table, results, head_dim)
     several = "store" in results and results["store"].nunique() > 1
     # Stores of different lengths (a length sweep) are tabulated apart; the figure pools them.
     shown = by_table(results, "store", head_dim) if several else table

@@ -226,7 +226,7 @@ def _head_dim(results: str | Path) -> int:
 def perstep_costs_markdown(df: pd.DataFrame, head_dim: int = 64) -> str:
     """frontier.md's section on per-step designs (empty without per-step rows): error and Wald
     coverage of every configuration next to the HBM it holds and the bytes attention reads per
-    layer and step (:mod:`analysis.adaptive_figure`), prefill designs alongside. The frontier's
+    layer and step (:mod:`analysis.adaptive_costs`), prefill designs alongside. The frontier's
     memory axis (kept + summary tokens) does not describe a design that reads the whole cache
     from a lower tier, so they are tabulated against these two costs instead."""
     needed = ("schedule", "kv_head", "n_positions", "sinks", "window")
@@ -234,10 +234,8 @@ def perstep_costs_markdown(df: pd.DataFrame, head_dim: int = 64) -> str:
         return ""
     from analysis.adaptive import adaptive_table
     from analysis.adaptive_costs import cost_columns
-    from analysis.adaptive_figure import step_read_kib
 
     t = cost_columns(adaptive_table(df, head_dim), df, head_dim)
-    t["step_read_kib"] = step_read_kib(t, df, head_dim)
     rows = [[r.score, r.proxy, r.design, r.schedule, _f(r.budget), _f(r.wald), _f(r.mse, 4),
              _f(r.hbm_kib, 5), _f(r.step_read_kib, 5), _f(r.read_rows, 6)]
             for r in t.itertuples(index=False)]

@@ -416,7 +416,7 @@ def test_cost_columns_follow_the_memory_model():
 def test_frontier_counts_the_bytes_each_step_reads_and_draws():
     from analysis.adaptive import adaptive_table
     from analysis.adaptive_costs import cost_columns
-    from analysis.adaptive_figure import frontier_figure, step_read_kib
+    from analysis.adaptive_figure import frontier_figure
 
     step = make_policy("perstep", "poisson", 0.25, schedule="step",
                        score_params={"proxy": "quant:4"})
@@ -431,7 +431,6 @@ def test_frontier_counts_the_bytes_each_step_reads_and_draws():
                          "wald_t_cov": 1.0 if pol.certified else np.nan})
     df = pd.DataFrame(rows)
     table = cost_columns(adaptive_table(df, 8), df, head_dim=8)
-    table["step_read_kib"] = step_read_kib(table, df, head_dim=8)
     b = 2 * 8 * 2  # fp16 K and V of one token, d = 8
     got = table.set_index(["score", "design"])["step_read_kib"]
     # per-step: the attended tokens plus the 4-bit proxy of all 400 cached tokens (5 bits/d)
