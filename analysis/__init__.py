@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from analysis.auc import AUCResult, PairedAUCResult, delong_auc, delong_paired_test
-from analysis.coverage import CoverageResult, calibration_curve, cluster_coverage
-from analysis.equivalence import EquivalenceResult, paired_noninferiority, paired_tost
-from analysis.multiplicity import holm
+from tracesim.analysis.auc import AUCResult, PairedAUCResult, delong_auc, delong_paired_test
+from tracesim.analysis.coverage import CoverageResult, calibration_curve, cluster_coverage
+from tracesim.analysis.equivalence import EquivalenceResult, paired_noninferiority, paired_tost
+from tracesim.analysis.multiplicity import holm
 
 __all__ = [
     "AUCResult",

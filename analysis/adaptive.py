@@ -11,12 +11,12 @@ calibration results and reports its held-out coverage: ``kappa`` is the smallest
 ``|o_hat - o| <= kappa C`` on a 95 % share of calibration rows (the ``ceil((n + 1) 0.95)``-th
 smallest ``|o_hat - o| / C``), ``conf_cov`` the held-out share with ``|o_hat - o| <= kappa C``.
 With ``--prereg`` it evaluates claims C9 (from the results) and C10 (from ``--peers`` output
-of ``tracesim peers``), as ``tracesim report`` does (:mod:`analysis.claims_perstep`).
+of ``tracesim peers``), as ``tracesim report`` does (:mod:`tracesim.analysis.claims_perstep`).
 
 With ``--by COLUMN`` (e.g. ``store`` for the length sweep) it prints one table per value of that
 column, each with its own top-k baseline and costs.
 
-Usage: ``python -m analysis.adaptive RESULTS_DIR [--calibration DIR] [--peers DIR ...]
+Usage: ``python -m tracesim.analysis.adaptive RESULTS_DIR [--calibration DIR] [--peers DIR ...]
 [--prereg data/prereg.yaml] [--by COLUMN]`` (``docs/adaptive.md``).
 """
 
@@ -29,14 +29,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from tracesim.analysis.adaptive_costs import cost_columns
+from tracesim.analysis.claims_perstep import evaluate_c9, evaluate_c10
+from tracesim.analysis.cluster import cluster_mean, student_quantile
+from tracesim.analysis.prereg import load_prereg
+from tracesim.analysis.results_io import load_peers, load_results
 
-from analysis.adaptive_costs import cost_columns
-from analysis.claims_perstep import evaluate_c9, evaluate_c10
-from analysis.cluster import cluster_mean, student_quantile
-from analysis.prereg import load_prereg
-from analysis.results_io import load_peers, load_results
-
-# evaluate_c9 and evaluate_c10 live with the other claims (analysis.claims_perstep); they are
+# evaluate_c9 and evaluate_c10 live with the other claims (tracesim.analysis.claims_perstep); they
+# are
 # named here too because this command evaluates them.
 __all__ = ["adaptive_table", "by_table", "conformal_radius", "evaluate_c9", "evaluate_c10", "main"]
 
@@ -129,7 +129,7 @@ def conformal_radius(cal: pd.DataFrame, level: float = 0.95) -> dict[str, float]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m analysis.adaptive", description=__doc__
+    ap = argparse.ArgumentParser(prog="python -m tracesim.analysis.adaptive", description=__doc__
                                  .splitlines()[0])
     ap.add_argument("results", help="a replay or sweep output directory")
     ap.add_argument("--head-dim", type=int, default=64)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 peers = load_peers(args.peers)
                 claims.append(evaluate_c10(peers, pre.claims["C10"], pre.claim_alpha("C10")))
     except (ValueError, OSError, KeyError) as exc:
-        print(f"python -m analysis.adaptive: {exc}", file=sys.stderr)
+        print(f"python -m tracesim.analysis.adaptive: {exc}", file=sys.stderr)
         return 2
     with pd.option_context("display.width", 250, "display.max_columns", 30):
         print(table.to_string(index=False, float_format=lambda x: f"{x:.4g}"))

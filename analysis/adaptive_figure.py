@@ -1,13 +1,14 @@
 """The per-step frontier: error and coverage against HBM memory and against bytes per step.
 
-One point per configuration of :func:`analysis.adaptive.adaptive_table` with the costs of
-:func:`analysis.adaptive_costs.cost_columns`, per layer and decode step, summed over the layer's
+One point per configuration of :func:`tracesim.analysis.adaptive.adaptive_table` with the costs of
+:func:`tracesim.analysis.adaptive_costs.cost_columns`, per layer and decode step, summed over the
+layer's
 KV heads:
 
 - **HBM** (``hbm_kib``): what stays in fast memory between steps (a prefill design's kept set; a
   per-step design's sinks, window and proxy summary of every cached token).
 - **Bytes per step** (``step_read_kib``): what attention reads at one step wherever it lives,
-  the proxy's summary of every cached token included (:mod:`analysis.adaptive_costs`).
+  the proxy's summary of every cached token included (:mod:`tracesim.analysis.adaptive_costs`).
 
 The top panels plot the mean squared error (log scale), the bottom ones Wald coverage of all
 rows, with the nominal level as a line; uncertified configurations (top-k) have no coverage
@@ -18,8 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-
-from analysis.plotting import png_bytes, pyplot
+from tracesim.analysis.plotting import png_bytes, pyplot
 
 __all__ = ["add_to_report", "frontier_figure"]
 
@@ -77,11 +77,12 @@ def frontier_figure(table: pd.DataFrame, nominal: float = 0.95) -> tuple[bytes, 
 
 
 def add_to_report(report, results: pd.DataFrame, head_dim: int = 64) -> None:
-    """The report's per-step table (:func:`analysis.adaptive.adaptive_table` with the costs of
-    :func:`analysis.adaptive_costs.cost_columns`; one part per store when the results hold
+    """The report's per-step table (:func:`tracesim.analysis.adaptive.adaptive_table` with the
+    costs of
+    :func:`tracesim.analysis.adaptive_costs.cost_columns`; one part per store when the results hold
     several, as a length sweep does) and :func:`frontier_figure`."""
-    from analysis.adaptive import adaptive_table, by_table
-    from analysis.adaptive_costs import cost_columns
+    from tracesim.analysis.adaptive import adaptive_table, by_table
+    from tracesim.analysis.adaptive_costs import cost_columns
 
     table = cost_columns(adaptive_table(results, head_dim), results, head_dim)
     several = "store" in results and results["store"].nunique() > 1

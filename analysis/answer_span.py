@@ -1,7 +1,8 @@
 """Why accuracy dropped: how much of the answer span each in-loop configuration kept.
 
 From an outcomes table (``tracesim evict``'s ``OUT/outcomes.parquet``, the ``answer_*`` columns
-of :mod:`capture.inloop.answer`) this gives one row per configuration: the runs whose sequence
+of :mod:`tracesim.capture.inloop.answer`) this gives one row per configuration: the runs whose
+sequence
 has a located answer span, the mean share of span tokens kept (over layers, KV heads and decode
 steps), the same for the tokens of the answer's first and of its last digit, and accuracy split
 by whether the whole span was kept in every layer and KV head (``answer_kept_min == 1``, at

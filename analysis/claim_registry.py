@@ -1,8 +1,9 @@
-"""The claims table: one :class:`~analysis.claims.Claim` entry per pre-registered claim.
+"""The claims table: one :class:`~tracesim.analysis.claims.Claim` entry per pre-registered claim.
 
-The pre-registration (:func:`analysis.prereg.load_prereg`: which ids must be registered and
+The pre-registration (:func:`tracesim.analysis.prereg.load_prereg`: which ids must be registered and
 their own field checks), the claims table of the report (:func:`claims_table`: what each
-estimate measures) and the report (:func:`analysis.report.build_report`: what to evaluate, on
+estimate measures) and the report (:func:`tracesim.analysis.report.build_report`: what to evaluate,
+on
 which inputs) all loop over :func:`registered_claims`. A new claim is one entry: in
 :data:`BUILTIN_CLAIMS` for the project's own, or one :func:`register_claim` call for a claim
 defined outside the package (``docs/extending.md``).
@@ -13,12 +14,18 @@ from __future__ import annotations
 import re
 
 import numpy as np
-
-from analysis.claims import INPUT_MISSING, Claim, ClaimResult
-from analysis.claims_c8 import c8_claim, check_c8
-from analysis.claims_outcomes import c3_claim, c4_claim, c6_claim
-from analysis.claims_perstep import c9_claim, c10_claim
-from analysis.claims_replay import c0_claim, c1_claim, c2_claim, c5_claim, c7_claim, check_c1
+from tracesim.analysis.claims import INPUT_MISSING, Claim, ClaimResult
+from tracesim.analysis.claims_c8 import c8_claim, check_c8
+from tracesim.analysis.claims_outcomes import c3_claim, c4_claim, c6_claim
+from tracesim.analysis.claims_perstep import c9_claim, c10_claim
+from tracesim.analysis.claims_replay import (
+    c0_claim,
+    c1_claim,
+    c2_claim,
+    c5_claim,
+    c7_claim,
+    check_c1,
+)
 
 __all__ = ["BUILTIN_CLAIMS", "claim_ids", "claim_units", "claims_table", "register_claim",
            "registered_claims", "unregister_claim"]
@@ -65,17 +72,19 @@ def _number(claim_id: str) -> int:
 def register_claim(claim: Claim) -> Claim:
     """Add a claim to the table for this process; returns it.
 
-    From then on :func:`analysis.prereg.load_prereg` requires a pre-registration entry for it
-    (and runs its ``check``), and :func:`analysis.report.build_report` evaluates it.
+    From then on :func:`tracesim.analysis.prereg.load_prereg` requires a pre-registration entry for
+    it
+    (and runs its ``check``), and :func:`tracesim.analysis.report.build_report` evaluates it.
 
     Raises
     ------
     ValueError
         When the id is not ``C`` and a number, is already registered, or a need is not one of
-        the report's inputs (:data:`analysis.claims.INPUT_MISSING`).
+        the report's inputs (:data:`tracesim.analysis.claims.INPUT_MISSING`).
     """
     if not isinstance(claim, Claim):
-        raise ValueError(f"register_claim: expected an analysis.claims.Claim, got {claim!r}")
+        raise ValueError("register_claim: expected a tracesim.analysis.claims.Claim, got "
+                         f"{claim!r}")
     if not _ID.fullmatch(claim.id):
         raise ValueError(f"claim id {claim.id!r}: expected C and a number, e.g. C11")
     if claim.id in _REGISTERED:

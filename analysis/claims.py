@@ -2,7 +2,7 @@
 
 A claim is one :class:`Claim` entry: its id, what its estimate measures, the inputs it needs,
 the function that evaluates it and (optionally) the check of its own pre-registration fields.
-The entries live in :mod:`analysis.claim_registry`, which the pre-registration, the claims
+The entries live in :mod:`tracesim.analysis.claim_registry`, which the pre-registration, the claims
 table and the report loop over; ``docs/extending.md`` shows how to add one.
 """
 
@@ -84,9 +84,10 @@ class ClaimInputs:
 
     Attributes
     ----------
-    prereg : analysis.prereg.Preregistration
+    prereg : tracesim.analysis.prereg.Preregistration
         The validated pre-registration; ``prereg.claims[id]`` is a claim's own entry (typed
-        ``Any`` here: :mod:`analysis.prereg` reads the claims table, not the other way round).
+        ``Any`` here: :mod:`tracesim.analysis.prereg` reads the claims table, not the other way
+        round).
     results : pandas.DataFrame
         Replay or sweep rows (columns in ``docs/columns.md``); empty when none were given.
     outcomes : pandas.DataFrame

@@ -1,16 +1,17 @@
 """Claim C8: on held-out sequences, rows the validity rule certifies cover within [0.93, 0.97].
 
-The rules are fitted on the pre-registered calibration split (:mod:`analysis.validity`) or read
+The rules are fitted on the pre-registered calibration split (:mod:`tracesim.analysis.validity`) or
+read
 from a rule file (``validity_rules.json`` written by ``tracesim frontier``), which is then
 checked: a rule fitted on held-out sequences is refused with :class:`ValidityRuleError`.
 
 Test: two one-sided tests (TOST) of the pooled held-out certified coverage against the
 pre-registered interval ``[lo, hi]``, on the logit scale with the cluster-robust (by sequence)
-standard error of :func:`analysis.cluster.cluster_proportions`; ``p = max(p_lo, p_hi)``.
+standard error of :func:`tracesim.analysis.cluster.cluster_proportions`; ``p = max(p_lo, p_hi)``.
 Supported if ``p < alpha`` (the ``1 - 2 alpha`` interval lies inside ``[lo, hi]``); not
 supported if the ``1 - alpha`` interval lies entirely outside; inconclusive otherwise. The
 fraction of held-out rows certified is reported next to it. :func:`c8_claim` is the claims
-table's entry (:mod:`analysis.claim_registry`) and :func:`check_c8` checks C8's own
+table's entry (:mod:`tracesim.analysis.claim_registry`) and :func:`check_c8` checks C8's own
 pre-registration fields.
 """
 
@@ -22,8 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy import stats
-
-from analysis.claims import (
+from tracesim.analysis.claims import (
     CERTIFICATES,
     INCONCLUSIVE,
     NOT_SUPPORTED,
@@ -33,8 +33,8 @@ from analysis.claims import (
     Fail,
     eviction_rows,
 )
-from analysis.cluster import cluster_proportions
-from analysis.validity import (
+from tracesim.analysis.cluster import cluster_proportions
+from tracesim.analysis.validity import (
     SplitSettings,
     ValidityRule,
     apply_rules,
@@ -146,7 +146,8 @@ def c8_claim(inputs: ClaimInputs) -> ClaimResult:
 
 
 def check_c8(c8: dict[str, Any], fail: Fail) -> None:
-    """The validity rule's split, interval and candidate grid (see ``analysis.validity``)."""
+    """The validity rule's split, interval and candidate grid (see
+    ``tracesim.analysis.validity``)."""
     split = c8.get("split")
     if not isinstance(split, dict):
         fail("claims.C8.split", "expected a mapping {unit, salt, calibration_fraction}")

@@ -2,17 +2,23 @@
 
 One outcomes row per (sequence, policy, seed) with ``correct``, ``full_correct``, ``failure``,
 log-prob summaries and certificate aggregates (see ``docs/evict.md``). The ``c*_claim``
-functions are the claims table's entries (:mod:`analysis.claim_registry`).
+functions are the claims table's entries (:mod:`tracesim.analysis.claim_registry`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from tracesim.analysis.auc import cluster_bootstrap_auc, delong_auc, delong_paired_test
+from tracesim.analysis.claims import (
+    INCONCLUSIVE,
+    NOT_SUPPORTED,
+    SUPPORTED,
+    ClaimInputs,
+    ClaimResult,
+)
+from tracesim.analysis.equivalence import paired_noninferiority, paired_tost
 
-from analysis.auc import cluster_bootstrap_auc, delong_auc, delong_paired_test
-from analysis.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimInputs, ClaimResult
-from analysis.equivalence import paired_noninferiority, paired_tost
 from tracesim.safeio import loads_json
 
 __all__ = ["c3_claim", "c4_claim", "c6_claim", "evaluate_c2_accuracy", "evaluate_c3",

@@ -5,7 +5,7 @@ sequences with an MSE no larger than per-query top-k by the same proxy (``docs/a
 C10: vAttention's ``(epsilon, delta)`` statement, ``|o_hat - o| <= epsilon |o|`` failing at a
 rate ``<= delta``, per configuration of its pre-registered list (``docs/peers.md``).
 Intervals are cluster-robust by sequence with Student ``t_{k-1}`` quantiles
-(:func:`analysis.cluster.one_sided_bounds`).
+(:func:`tracesim.analysis.cluster.one_sided_bounds`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import json
 
 import numpy as np
 import pandas as pd
-
-from analysis.claims import ClaimInputs, ClaimResult
-from analysis.cluster import one_sided_bounds
+from tracesim.analysis.claims import ClaimInputs, ClaimResult
+from tracesim.analysis.cluster import one_sided_bounds
 
 __all__ = ["c9_claim", "c10_claim", "evaluate_c9", "evaluate_c10"]
 

@@ -5,7 +5,8 @@ Inputs are the replay results table (``tracesim replay`` / ``tracesim sweep``; c
 ``docs/replay.md``) as a pandas DataFrame, aggregated over seeds, and the pre-registration.
 C1, C2 and C5 read the eviction designs only (schedules ``oneshot`` and ``decode``): the per-step
 designs (schedule ``step``) are C9's. The ``c*_claim`` functions are the claims table's entries
-(:mod:`analysis.claim_registry`): they take the report's :class:`analysis.claims.ClaimInputs`.
+(:mod:`tracesim.analysis.claim_registry`): they take the report's
+:class:`tracesim.analysis.claims.ClaimInputs`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy import stats
-
-from analysis.claims import (
+from tracesim.analysis.claims import (
     CERTIFICATES,
     INCONCLUSIVE,
     NOT_EVALUATED,
@@ -28,9 +28,9 @@ from analysis.claims import (
     Fail,
     eviction_rows,
 )
-from analysis.claims_outcomes import evaluate_c2_accuracy
-from analysis.coverage import cluster_coverage
-from analysis.equivalence import paired_tost
+from tracesim.analysis.claims_outcomes import evaluate_c2_accuracy
+from tracesim.analysis.coverage import cluster_coverage
+from tracesim.analysis.equivalence import paired_tost
 
 __all__ = ["c0_claim", "c1_claim", "c2_claim", "c5_claim", "c7_claim", "check_c1",
            "eviction_rows", "evaluate_c0", "evaluate_c1", "evaluate_c2_attention", "evaluate_c5",

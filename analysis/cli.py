@@ -12,8 +12,9 @@ _DEFAULT_PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
 
 
 def _command(args: argparse.Namespace) -> int:
-    from analysis.prereg import PreregChangedError
-    from analysis.report import build_report, write_report
+    from tracesim.analysis.prereg import PreregChangedError
+    from tracesim.analysis.report import build_report, write_report
+
     from tracesim.outpaths import check_output
 
     try:

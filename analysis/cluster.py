@@ -1,7 +1,7 @@
 """Cluster-robust proportions in closed form, for many strata at once.
 
 For an intercept-only GEE with a binomial family, logit link and independence working
-correlation (what :func:`analysis.coverage.cluster_coverage` fits with statsmodels), the
+correlation (what :func:`tracesim.analysis.coverage.cluster_coverage` fits with statsmodels), the
 estimate and its sandwich variance have a closed form. With events ``y_i`` in [0, 1] grouped in
 clusters ``c``, ``n`` events and ``p = mean(y)``:
 

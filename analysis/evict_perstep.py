@@ -11,7 +11,7 @@ Holm-adjusted over every comparison of the table. :func:`per_step_claims` evalua
 C6 on the per-step configurations only, and :func:`accuracy_bytes_figure` plots accuracy
 against bytes per step::
 
-    python -m analysis.evict_perstep results/evict-adaptive [MORE_DIRS ...] \\
+    python -m tracesim.analysis.evict_perstep results/evict-adaptive [MORE_DIRS ...] \\
         --prereg data/prereg.yaml --figure accuracy_bytes.png
 """
 
@@ -22,9 +22,9 @@ from itertools import product
 
 import numpy as np
 import pandas as pd
+from tracesim.analysis.multiplicity import holm
+from tracesim.analysis.plotting import png_bytes, pyplot
 
-from analysis.multiplicity import holm
-from analysis.plotting import png_bytes, pyplot
 from tracesim.safeio import loads_json
 
 __all__ = ["REPORT_COLUMNS", "accuracy_bytes_figure", "add_to_report", "configuration_label",
@@ -158,16 +158,16 @@ def per_step_claims(outcomes: pd.DataFrame, prereg) -> dict:
     """C2, C3 and C6 on the per-step configurations (``schedule`` step) of ``outcomes``.
 
     * C2: per-step Poisson/Hájek against per-step top-k by the same proxy at the same budget
-      (:func:`analysis.claims_outcomes.evaluate_c2_accuracy`, pairs by proxy);
+      (:func:`tracesim.analysis.claims_outcomes.evaluate_c2_accuracy`, pairs by proxy);
     * C3: the deployable certified per-step designs against the full cache (paired
       non-inferiority, each sequence's mean over those designs and seeds, C3's margin);
-    * C6: :func:`analysis.claims_outcomes.evaluate_c6` on the certified per-step runs.
+    * C6: :func:`tracesim.analysis.claims_outcomes.evaluate_c6` on the certified per-step runs.
 
     Returns ``{"C2": dict, "C3": ClaimResult, "C6": ClaimResult}``.
     """
-    from analysis.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimResult
-    from analysis.claims_outcomes import evaluate_c2_accuracy, evaluate_c6
-    from analysis.equivalence import paired_noninferiority
+    from tracesim.analysis.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimResult
+    from tracesim.analysis.claims_outcomes import evaluate_c2_accuracy, evaluate_c6
+    from tracesim.analysis.equivalence import paired_noninferiority
 
     step = outcomes[outcomes["schedule"].astype(str) == "step"].copy()
     step["score"] = "perstep[" + step.apply(_proxy, axis=1) + "]"
@@ -238,7 +238,8 @@ REPORT_COLUMNS = ("label", "runs", "sequences", "accuracy", "same_as_full",
 
 def add_to_report(report, outcomes: pd.DataFrame, prereg) -> None:
     """The in-loop per-step table, its claims (C2, C3, C6 on per-step rows) and the
-    accuracy-bytes figure, into an :class:`analysis.report.Report` (nothing without per-step
+    accuracy-bytes figure, into an :class:`tracesim.analysis.report.Report` (nothing without
+    per-step
     outcomes)."""
     if "schedule" not in outcomes or not (outcomes["schedule"].astype(str) == "step").any():
         return
@@ -257,12 +258,13 @@ def add_to_report(report, outcomes: pd.DataFrame, prereg) -> None:
 
 def load_many(directories: list[str]) -> tuple[pd.DataFrame, int]:
     """The outcomes of several ``tracesim evict`` directories (each checked against its
-    summary, :func:`analysis.results_io.load_outcomes`), as one table.
+    summary, :func:`tracesim.analysis.results_io.load_outcomes`), as one table.
 
     A row whose key (sequence, configuration, seed, fetch) is already in an earlier directory
     is dropped, so a configuration run in two directories (the full cache, say) counts once;
     returns the table and the number of rows dropped."""
-    from analysis.results_io import load_outcomes
+    from tracesim.analysis.results_io import load_outcomes
+
     from tracesim.integrity import OUTCOME_KEYS
 
     frames = [load_outcomes(d)[0] for d in directories]
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outcomes, dropped = load_many(args.out)
     except (ValueError, OSError) as exc:
-        print(f"python -m analysis.evict_perstep: {exc}", file=sys.stderr)
+        print(f"python -m tracesim.analysis.evict_perstep: {exc}", file=sys.stderr)
         return 2
     if dropped:
         print(f"{dropped} rows already in an earlier directory dropped")
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     with pd.option_context("display.width", 250, "display.max_columns", 30):
         print(table[list(REPORT_COLUMNS)].round(3).to_string(index=False))
     if args.prereg:
-        from analysis.prereg import load_prereg
+        from tracesim.analysis.prereg import load_prereg
 
         claims = per_step_claims(outcomes, load_prereg(args.prereg))
         print("C2 (per-step, end to end):", claims["C2"] or "too few pairs")

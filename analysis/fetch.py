@@ -20,10 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-
-from analysis.multiplicity import holm
-from analysis.plotting import png_bytes, pyplot
-from analysis.tiers import _one_sided_p
+from tracesim.analysis.multiplicity import holm
+from tracesim.analysis.plotting import png_bytes, pyplot
+from tracesim.analysis.tiers import _one_sided_p
 
 __all__ = ["POLICY_KEYS", "compare_fetch", "fetch_figure", "fetch_table",
            "split_fetch_outcomes"]

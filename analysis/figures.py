@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-
-from analysis.plotting import png_bytes, pyplot
-from analysis.report_figures import policy_labels
+from tracesim.analysis.plotting import png_bytes, pyplot
+from tracesim.analysis.report_figures import policy_labels
 
 __all__ = ["coverage_figure", "error_budget_figure", "head_budget_figure",
            "recompute_figure", "roc_figure"]

@@ -8,12 +8,12 @@ parameters, correction, allocator, schedule, summary page size). Certificate var
 - ``wald_t``: the small-sample variant, ``m/(m-1)`` inflation and a ``t_{m-1}`` quantile
   (``wald_t_cov``);
 - ``ruled``: the primary certificate restricted to the rows the validity rule certifies
-  (:mod:`analysis.validity`), on the **held-out** sequences only;
+  (:mod:`tracesim.analysis.validity`), on the **held-out** sequences only;
 - ``bound``: the deterministic page-summary bound (``bound_cov``), when the results carry it;
 - ``bootstrap``: Poisson-bootstrap coverage (``boot_cov``), when the results carry it;
 - ``none``: a family with no certificate at all (top-k without summaries): memory and error only.
 
-Coverage intervals are cluster-robust with sequences as clusters (:mod:`analysis.cluster`).
+Coverage intervals are cluster-robust with sequences as clusters (:mod:`tracesim.analysis.cluster`).
 ``frac_certified`` is the share of the family's rows (held-out rows for ``ruled``) that get a
 certificate from the variant. ``memory`` is the mean over rows of ``kept_tokens`` plus
 ``summary_tokens`` (0 when absent), in tokens per KV head. ``err_vs_topk`` is the family's mean
@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-
-from analysis.claims_replay import NEFF_LABELS, TAIL_LABELS, tail_bins
-from analysis.cluster import cluster_proportions
-from analysis.validity import ValidityRule, apply_rules, split_sequences
+from tracesim.analysis.claims_replay import NEFF_LABELS, TAIL_LABELS, tail_bins
+from tracesim.analysis.cluster import cluster_proportions
+from tracesim.analysis.validity import ValidityRule, apply_rules, split_sequences
 
 __all__ = ["AIM", "OPTIONAL_COLUMNS", "REQUIRED_COLUMNS", "STRATA", "aim_table",
            "family_labels", "frontier_table"]
@@ -47,7 +46,8 @@ REQUIRED_COLUMNS = (
     "kept_tokens")
 OPTIONAL_COLUMNS = ("store", "max_tail_weight", "deployable", "bound2", "bound_cov",
                     "summary_tokens", "summary_page", "boot_cov", "seed", "n_seeds",
-                    # the per-step section's costs (analysis.frontier_cli.perstep_costs_markdown)
+                    # the per-step section's costs
+                    # (tracesim.analysis.frontier_cli.perstep_costs_markdown)
                     "kv_head", "n_positions", "sinks", "window")
 #: Strata kinds, in report order; ``store`` only when there are several stores.
 STRATA = ("m", "n_eff", "layer", "head", "query_role", "task", "store")
@@ -173,7 +173,7 @@ def frontier_table(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = 
     rules : dict, optional
         Fitted validity rules by ``config_id``; with ``salt`` and ``fraction`` (the
         pre-registered split) they give the ``ruled`` variant on held-out sequences. Check them
-        with :func:`analysis.validity.check_rules` first.
+        with :func:`tracesim.analysis.validity.check_rules` first.
     alpha : float
         Level of the cluster-robust intervals.
     """

@@ -17,8 +17,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from analysis.frontier import (
+from tracesim.analysis.frontier import (
     AIM,
     OPTIONAL_COLUMNS,
     REQUIRED_COLUMNS,
@@ -26,7 +25,7 @@ from analysis.frontier import (
     aim_table,
     frontier_table,
 )
-from analysis.validity import (
+from tracesim.analysis.validity import (
     SplitSettings,
     ValidityRule,
     check_rules,
@@ -35,6 +34,7 @@ from analysis.validity import (
     save_rules,
     split_sequences,
 )
+
 from tracesim.atomic import atomic_files
 
 __all__ = ["FILES", "load_frontier_results", "pareto_figure", "perstep_costs_markdown", "register",
@@ -93,7 +93,7 @@ def pareto_figure(table: pd.DataFrame) -> bytes:
 
     Non-deployable families (oracle) are drawn dashed with hollow markers.
     """
-    from analysis.plotting import png_bytes, pyplot
+    from tracesim.analysis.plotting import png_bytes, pyplot
 
     plt = pyplot()
     t = table[table["stratum_kind"] == "all"]
@@ -203,7 +203,8 @@ def render_markdown(table: pd.DataFrame, notes: list[str],
 
 def _head_dim(results: str | Path) -> int:
     """The stores' head dimension from the results' ``summary.json`` (64 when not recorded)."""
-    from analysis.provenance import _store_model
+    from tracesim.analysis.provenance import _store_model
+
     from tracesim.safeio import read_json
 
     p = Path(results)
@@ -226,14 +227,15 @@ def _head_dim(results: str | Path) -> int:
 def perstep_costs_markdown(df: pd.DataFrame, head_dim: int = 64) -> str:
     """frontier.md's section on per-step designs (empty without per-step rows): error and Wald
     coverage of every configuration next to the HBM it holds and the bytes attention reads per
-    layer and step (:mod:`analysis.adaptive_costs`), prefill designs alongside. The frontier's
+    layer and step (:mod:`tracesim.analysis.adaptive_costs`), prefill designs alongside. The
+    frontier's
     memory axis (kept + summary tokens) does not describe a design that reads the whole cache
     from a lower tier, so they are tabulated against these two costs instead."""
     needed = ("schedule", "kv_head", "n_positions", "sinks", "window")
     if any(c not in df for c in needed) or not (df["schedule"] == "step").any():
         return ""
-    from analysis.adaptive import adaptive_table
-    from analysis.adaptive_costs import cost_columns
+    from tracesim.analysis.adaptive import adaptive_table
+    from tracesim.analysis.adaptive_costs import cost_columns
 
     t = cost_columns(adaptive_table(df, head_dim), df, head_dim)
     rows = [[r.score, r.proxy, r.design, r.schedule, _f(r.budget), _f(r.wald), _f(r.mse, 4),
@@ -252,8 +254,9 @@ def run_frontier(results: str | Path, out: str | Path, *,
                  prereg_path: str | Path = _DEFAULT_PREREG, rules_path: str | Path | None = None,
                  alpha: float = 0.05) -> tuple[pd.DataFrame, list[str]]:
     """Compute the frontier of a results directory and write the files of :data:`FILES`."""
-    from analysis.claims_c8 import c8_rows
-    from analysis.prereg import load_prereg
+    from tracesim.analysis.claims_c8 import c8_rows
+    from tracesim.analysis.prereg import load_prereg
+
     from tracesim.outpaths import check_output
 
     # before anything is computed: the output must not overlap what is read
@@ -299,8 +302,9 @@ def run_frontier(results: str | Path, out: str | Path, *,
 
 
 def _command(args: argparse.Namespace) -> int:
-    from analysis.prereg import PreregChangedError
-    from analysis.validity import ValidityRuleError
+    from tracesim.analysis.prereg import PreregChangedError
+    from tracesim.analysis.validity import ValidityRuleError
+
     from tracesim.counts import check_finite
 
     try:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from analysis.claim_registry import registered_claims
+from tracesim.analysis.claim_registry import registered_claims
+
 from tracesim.provenance import prereg_sha256
 
 __all__ = ["PreregChangedError", "Preregistration", "check_prereg_hash", "load_prereg",
@@ -42,7 +43,8 @@ def load_prereg(path: str | Path) -> Preregistration:
     """Load and validate a pre-registration file (:func:`tracesim.safeio.read_yaml`; nothing is
     executed).
 
-    Every claim of the claims table (:func:`analysis.claim_registry.registered_claims`) must
+    Every claim of the claims table (:func:`tracesim.analysis.claim_registry.registered_claims`)
+    must
     have an entry, no other id may, and each claim's own ``check`` runs on its entry after the
     common fields are checked.
 

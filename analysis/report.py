@@ -5,9 +5,9 @@ outcomes and (optionally) the C0 adversary demo, checks that ``data/prereg.yaml`
 results were produced under, and writes ``report.md``, a standalone ``report.html`` (figures
 embedded as PNG), ``claims.json`` and the figures as PNG files. The report opens with a
 provenance header and a caveat computed from the number of sequences
-(:mod:`analysis.provenance`); the claims table carries each hypothesis and the units of its
+(:mod:`tracesim.analysis.provenance`); the claims table carries each hypothesis and the units of its
 estimate; every figure has a caption. The claims evaluated are those of the claims table
-(:mod:`analysis.claim_registry`); this module only loads their inputs, applies Holm and
+(:mod:`tracesim.analysis.claim_registry`); this module only loads their inputs, applies Holm and
 presents the results.
 """
 
@@ -23,19 +23,24 @@ from typing import Any
 
 import pandas as pd
 import pyarrow.parquet as pq
-
-from analysis import figures
-from analysis import report_figures as rfig
-from analysis.adaptive_figure import add_to_report as add_perstep_frontier
-from analysis.answer_span import add_to_report as add_answer_span
-from analysis.claim_registry import claims_table, registered_claims
-from analysis.claims import INCONCLUSIVE, INPUT_MISSING, SUPPORTED, ClaimInputs, ClaimResult
-from analysis.evict_perstep import add_to_report as add_perstep_outcomes
-from analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch_outcomes
-from analysis.multiplicity import holm
-from analysis.prereg import Preregistration, check_prereg_hash, load_prereg
-from analysis.provenance import Provenance, collect_provenance
-from analysis.results_io import _read_json, load_outcomes, load_peers, load_results
+from tracesim.analysis import figures
+from tracesim.analysis import report_figures as rfig
+from tracesim.analysis.adaptive_figure import add_to_report as add_perstep_frontier
+from tracesim.analysis.answer_span import add_to_report as add_answer_span
+from tracesim.analysis.claim_registry import claims_table, registered_claims
+from tracesim.analysis.claims import (
+    INCONCLUSIVE,
+    INPUT_MISSING,
+    SUPPORTED,
+    ClaimInputs,
+    ClaimResult,
+)
+from tracesim.analysis.evict_perstep import add_to_report as add_perstep_outcomes
+from tracesim.analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch_outcomes
+from tracesim.analysis.multiplicity import holm
+from tracesim.analysis.prereg import Preregistration, check_prereg_hash, load_prereg
+from tracesim.analysis.provenance import Provenance, collect_provenance
+from tracesim.analysis.results_io import _read_json, load_outcomes, load_peers, load_results
 
 __all__ = ["Report", "build_report", "load_results", "write_report"]
 
@@ -82,7 +87,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                  frontier_dir: str | Path | None = None,
                  peers_dirs: Sequence[str | Path] = (),
                  trust_unsigned: bool = False) -> Report:
-    """Evaluate every claim of the claims table (:mod:`analysis.claim_registry`) on the given
+    """Evaluate every claim of the claims table (:mod:`tracesim.analysis.claim_registry`) on the
+    given
     results.
 
     ``frontier_dir`` (default ``RESULTS/frontier`` when present) is a ``tracesim frontier``
@@ -263,7 +269,7 @@ _FETCH_CAPTION = (
 
 def _add_tiers(report: Report, tiers_dir: str | Path) -> None:
     """C7 in bytes and time: the ``tracesim tiers`` tables and figure."""
-    from analysis.tiers import scheduler_curves, tiers_figure, tiers_tables
+    from tracesim.analysis.tiers import scheduler_curves, tiers_figure, tiers_tables
 
     path = Path(tiers_dir) / "tiers.parquet"
     if not path.is_file():

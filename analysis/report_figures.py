@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from scipy import stats
-
-from analysis.coverage import calibration_curve
-from analysis.plotting import png_bytes, pyplot
+from tracesim.analysis.coverage import calibration_curve
+from tracesim.analysis.plotting import png_bytes, pyplot
 
 __all__ = ["accuracy_budget_figure", "certificate_error_figure", "coverage_heatmap",
            "coverage_level_figure", "policy_labels"]
@@ -129,7 +128,7 @@ def coverage_level_figure(results: pd.DataFrame,
     ax.set_title("coverage against nominal level")
     caption = ("Coverage against nominal level: for each level, the share of certified rows "
                "whose realised error norm |e| lies within z_{(1+level)/2} times the "
-               "certificate C (analysis.coverage.calibration_curve of |e|/C). For a "
+               "certificate C (tracesim.analysis.coverage.calibration_curve of |e|/C). For a "
                "d-dimensional head output the calibrated curve depends on how the variance "
                "spreads over coordinates: the grey band runs from one dominant coordinate "
                f"(the diagonal) to {d} equal ones, the two extremes (other spreads fall close "

@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from scipy import stats
-
-from analysis.multiplicity import holm
-from analysis.plotting import png_bytes, pyplot
+from tracesim.analysis.multiplicity import holm
+from tracesim.analysis.plotting import png_bytes, pyplot
 
 __all__ = ["compare_schedulers", "scheduler_curves", "tiers_figure", "tiers_tables"]
 

@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 import torch
+from tracesim.capture.attention import CAPTURE_ATTN
+from tracesim.capture.generate import greedy_generate
+from tracesim.capture.models import load_model, o_proj_weights, set_attention
+from tracesim.capture.runner import CaptureConfig, capture_prompt, eos_token_ids, model_meta
+from tracesim.capture.tasks import build_prompt, instance_seed
 
-from capture.attention import CAPTURE_ATTN
-from capture.generate import greedy_generate
-from capture.models import load_model, o_proj_weights, set_attention
-from capture.runner import CaptureConfig, capture_prompt, eos_token_ids, model_meta
-from capture.tasks import build_prompt, instance_seed
 from tracesim.store import TraceWriter
 
 

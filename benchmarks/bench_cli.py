@@ -48,15 +48,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         store, out = Path(tmp) / "store", Path(tmp) / "out"
-        subprocess.run([py, "-m", "tracesim.cli", "synth", "--positions", str(args.positions),
+        subprocess.run([py, "-m", "tracesim.app.cli", "synth", "--positions", str(args.positions),
                         "--layers", "1", "--quiet", "--out", str(store)], check=True, cwd=ROOT)
         commands = {
-            "tracesim --help": [py, "-m", "tracesim.cli", "--help"],
+            "tracesim --help": [py, "-m", "tracesim.app.cli", "--help"],
             "python -c 'import tracesim'": [py, "-c", "import tracesim"],
             "numba floor: import numba, one cached njit call": [
                 py, str(ROOT / "benchmarks" / "numba_floor.py")],
             f"one-layer replay, {args.positions} positions, defaults": [
-                py, "-m", "tracesim.cli", "replay", str(store), "--no-progress", "--out",
+                py, "-m", "tracesim.app.cli", "replay", str(store), "--no-progress", "--out",
                 str(out)],
         }
         for cmd in commands.values():  # warm the kernel cache and the file cache

@@ -36,9 +36,15 @@ def _best(fn, repeats: int) -> float:
 
 
 def end_to_end(args: argparse.Namespace) -> list[tuple[str, float]]:
-    from capture.inloop.evict import LayerPlan, decode_policy, layer_plans, prefill_sequence
-    from capture.models import load_model
-    from capture.tasks import build_prompt
+    from tracesim.capture.inloop.evict import (
+        LayerPlan,
+        decode_policy,
+        layer_plans,
+        prefill_sequence,
+    )
+    from tracesim.capture.models import load_model
+    from tracesim.capture.tasks import build_prompt
+
     from tracesim.policies import make_policy
 
     loaded = load_model(args.model, args.device)
@@ -79,7 +85,8 @@ def end_to_end(args: argparse.Namespace) -> list[tuple[str, float]]:
 
 
 def one_call(args: argparse.Namespace) -> list[tuple[str, float]]:
-    from capture.inloop.enforce import serving_certificates
+    from tracesim.capture.inloop.enforce import serving_certificates
+
     from tracesim.designs import inclusion_probabilities
 
     dev = torch.device(args.device)
@@ -98,7 +105,7 @@ def one_call(args: argparse.Namespace) -> list[tuple[str, float]]:
     top.scatter_(1, torch.topk(scores, n, dim=1).indices, True)
     bias_topk = torch.where(top, 0.0, float("-inf")).float().to(dev)
     bias_hajek = torch.where(kept, -torch.log(pi), float("-inf")).float().to(dev)
-    from capture.inloop.enforce import LayerPlan
+    from tracesim.capture.inloop.enforce import LayerPlan
 
     plan = LayerPlan(pi, kept, hajek=True, certified=True)
     tail_index, tail = plan.tail_index.to(dev), plan.tail_weight.to(dev)

@@ -1,6 +1,7 @@
 """In-loop fetch decisions: the decode cost of fetching against plain eviction.
 
-SmolLM2 (``capture.models``, CPU) prefills ``--context`` random tokens once; SnapKV x Poisson
+SmolLM2 (``tracesim.capture.models``, CPU) prefills ``--context`` random tokens once; SnapKV x
+Poisson
 (mixture 0.1) x Hájek at 25% plans the kept sets, as ``tracesim evict`` does. Each round then
 decodes ``--steps`` tokens greedily (EOS ignored) under plain eviction and under every
 ``--fetch`` scheduler at ``--budget`` (a fraction of each layer's evicted bytes), alternated in
@@ -39,10 +40,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--budget", type=float, default=0.1)
     args = ap.parse_args(argv)
     import torch
+    from tracesim.capture.inloop.evict import decode_policy, layer_plans, prefill_sequence
+    from tracesim.capture.inloop.fetch import FetchConfig
+    from tracesim.capture.models import load_model, model_info
 
-    from capture.inloop.evict import decode_policy, layer_plans, prefill_sequence
-    from capture.inloop.fetch import FetchConfig
-    from capture.models import load_model, model_info
     from tracesim.policies import make_policy
 
     torch.set_num_threads(args.threads)

@@ -6,8 +6,9 @@ d = 64, ``--positions`` positions, ``--decode`` decode queries at the consecutiv
 ``bench_long_context.py``, budget 25 %) on it, one policy per replay so that the process holds
 one policy's tables at a time, with ``--seeds`` seeds and the output-space certificate off (no
 cost column reads it). The result rows (:func:`tracesim.replay.results.layer_batch`, seed means)
-then go through :func:`analysis.adaptive.adaptive_table` and
-:func:`analysis.adaptive_costs.cost_columns`, as ``python -m analysis.adaptive`` does with a
+then go through :func:`tracesim.analysis.adaptive.adaptive_table` and
+:func:`tracesim.analysis.adaptive_costs.cost_columns`, as ``python -m tracesim.analysis.adaptive``
+does with a
 replay's output: HBM per layer, rows read per step, bytes over the link (rows or partial sums)
 and the modelled transfer time per layer and step, summed over the 3 KV heads, from the tiers
 memory model's defaults (``docs/adaptive.md``, "Costs").
@@ -58,9 +59,9 @@ def cost_table(positions: int, decode: int, seeds: int, policies: str,
         Wall time of the replays, seconds.
     """
     import pandas as pd
+    from tracesim.analysis.adaptive import adaptive_table
+    from tracesim.analysis.adaptive_costs import cost_columns
 
-    from analysis.adaptive import adaptive_table
-    from analysis.adaptive_costs import cost_columns
     from tracesim.replay import ReplayOptions, replay_layer
     from tracesim.replay.results import layer_batch
 

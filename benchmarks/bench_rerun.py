@@ -3,7 +3,8 @@
 Side by side in one run:
 
 - ``rerun``: what evaluating one configuration in the loop costs at least — SmolLM2 (via
-  ``capture.models``, SDPA, CPU) decodes ``--decode`` steps after a shared, cached prefill, with
+  ``tracesim.capture.models``, SDPA, CPU) decodes ``--decode`` steps after a shared, cached
+  prefill, with
   the configuration's eviction as an additive ``-inf`` mask; the cache is cropped back after
   each run. The prefill is *not* charged to any configuration (one-shot compression does not
   change it), so this is a lower bound on the rerun cost. A few runs are timed per round and
@@ -58,10 +59,9 @@ class Rerun:
 
     def __init__(self, context: int, n_decode: int, threads: int) -> None:
         import torch
+        from tracesim.capture.generate import cache_keyword
+        from tracesim.capture.models import load_model
         from transformers import DynamicCache
-
-        from capture.generate import cache_keyword
-        from capture.models import load_model
 
         torch.set_num_threads(threads)
         self.context, self.n_decode = context, n_decode

@@ -5,11 +5,13 @@ One decode query at a serving size (default Llama-shaped: 32 query heads sharing
 
 * ``attention``: plain attention with the Hájek bias (one matmul, softmax, one matmul): the
   attention call;
-* ``onepass, no certificate``: :func:`capture.inloop.onepass.onepass_attention` without weights;
+* ``onepass, no certificate``: :func:`tracesim.capture.inloop.onepass.onepass_attention` without
+weights;
 * ``onepass + certificate``: output and the primary certificate in one pass;
 * ``onepass + certificate + layer``: also the output-space (GQA) certificate (pair forms cached
-  per plan, as :class:`capture.inloop.enforce.EvictionState` does);
-* ``two-pass``: the attention call followed by :func:`capture.inloop.enforce.serving_certificates`
+  per plan, as :class:`tracesim.capture.inloop.enforce.EvictionState` does);
+* ``two-pass``: the attention call followed by
+:func:`tracesim.capture.inloop.enforce.serving_certificates`
   (the previous serving path; it recomputes the attention).
 
 Protocol: the variants alternate (A, B, C, ... then again) for ``--rounds`` rounds; each round
@@ -72,7 +74,7 @@ def make_case(args: argparse.Namespace) -> dict:
                 tail_index=tail_index, tail_weight=tail_weight, gram=gram,
                 value_sq=(value * value).sum(-1))
     case = {k: v.to(dev) for k, v in case.items()}
-    from capture.inloop.onepass import pair_quadratic_forms
+    from tracesim.capture.inloop.onepass import pair_quadratic_forms
 
     case["quad"] = pair_quadratic_forms(case["value"], case["gram"], case["weight"])
     case["kept_fraction"] = float(kept.double().mean())
@@ -88,8 +90,8 @@ def attention(c: dict, scaling: float) -> torch.Tensor:
 
 
 def variants(c: dict, scaling: float, block: int) -> dict:
-    from capture.inloop.enforce import serving_certificates
-    from capture.inloop.onepass import onepass_attention
+    from tracesim.capture.inloop.enforce import serving_certificates
+    from tracesim.capture.inloop.onepass import onepass_attention
 
     def onepass(weight, gram=None):
         return lambda: onepass_attention(c["query"], c["key"], c["value"], c["bias"], weight,
@@ -159,14 +161,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--keep", type=float, default=0.25, help="mean inclusion probability")
     p.add_argument("--block", type=int, default=None,
-                   help="keys per block of the one pass (default: capture.inloop.onepass.BLOCK)")
+                   help="keys per block of the one pass "
+                   "(default: tracesim.capture.inloop.onepass.BLOCK)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     if args.block is None:
-        from capture.inloop.onepass import BLOCK
+        from tracesim.capture.inloop.onepass import BLOCK
 
         args.block = BLOCK
     np.set_printoptions(precision=3)

@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     for n in (int(x) for x in args.positions.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "store"
-            subprocess.run([sys.executable, "-m", "tracesim.cli", "synth", "--positions", str(n),
-                            "--layers", "1", "--quiet", "--out", str(path)], check=True,
-                           cwd=ROOT)
+            subprocess.run([sys.executable, "-m", "tracesim.app.cli", "synth",
+                            "--positions", str(n), "--layers", "1", "--quiet", "--out",
+                            str(path)], check=True, cwd=ROOT)
             store = open_store(path)
             trace = load_layer(store, store[store.sequence_ids[0]], 0)
         call = (trace, policy, np.arange(1), 30, MemoryModel(page=16), SCHEDULERS,

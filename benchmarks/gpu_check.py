@@ -66,12 +66,13 @@ def recompute_errors(store_path: Path) -> dict[str, float]:
 
 
 def check_capture(args: argparse.Namespace) -> dict:
-    from capture.runner import CaptureConfig, run_capture
+    from tracesim.capture.runner import CaptureConfig, run_capture
+
     from tracesim.store import validate_store
 
     out = Path(args.out) / "capture"
     if args.dry:
-        from capture.models import LoadedModel, load_tokenizer, tiny_model
+        from tracesim.capture.models import LoadedModel, load_tokenizer, tiny_model
 
         tok = load_tokenizer()
         model = LoadedModel(tiny_model("llama", seed=1, vocab_size=len(tok)), tok, "tiny-llama")
@@ -99,9 +100,8 @@ def check_capture(args: argparse.Namespace) -> dict:
 
 def llama_shaped(args: argparse.Namespace):
     import torch
+    from tracesim.capture.attention import CAPTURE_ATTN, register
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from capture.attention import CAPTURE_ATTN, register
 
     register()
     cfg = AutoConfig.for_model(
@@ -123,8 +123,8 @@ def plans_for(n_layers: int, n_kv: int, P: int, budget: float, kind: str, seed: 
     """Per-layer plans over P prompt tokens: 4 sinks and 32 recent tokens always kept, the rest
     by random heavy-tailed scores: top-k, or Poisson capped-PPS at the same expected size."""
     import torch
+    from tracesim.capture.inloop.enforce import LayerPlan
 
-    from capture.inloop.enforce import LayerPlan
     from tracesim.designs import inclusion_probabilities
 
     rng = np.random.default_rng(seed)
@@ -157,11 +157,10 @@ def plans_for(n_layers: int, n_kv: int, P: int, budget: float, kind: str, seed: 
 
 def decode_steps(args: argparse.Namespace) -> dict:
     import torch
-
-    from capture.attention import recording
-    from capture.generate import decode_greedy, prefill
-    from capture.inloop.enforce import EvictionState
-    from capture.inloop.evict import _restore
+    from tracesim.capture.attention import recording
+    from tracesim.capture.generate import decode_greedy, prefill
+    from tracesim.capture.inloop.enforce import EvictionState
+    from tracesim.capture.inloop.evict import _restore
 
     model = llama_shaped(args)
     P = args.context

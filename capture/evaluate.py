@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m capture.evaluate --model smollm2 --tasks passkey,multikey,vartrack,kvret \
+    python -m tracesim.capture.evaluate --model smollm2 --tasks passkey,multikey,vartrack,kvret \
         --lengths 512,1024 --n 8 --seed 0
 """
 
@@ -12,10 +12,10 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from capture.generate import greedy_generate
-from capture.models import LoadedModel, load_model
-from capture.runner import eos_token_ids
-from capture.tasks import TASKS, build_prompt, grade, instance_seed
+from tracesim.capture.generate import greedy_generate
+from tracesim.capture.models import LoadedModel, load_model
+from tracesim.capture.runner import eos_token_ids
+from tracesim.capture.tasks import TASKS, build_prompt, grade, instance_seed
 
 
 def evaluate(

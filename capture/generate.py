@@ -13,9 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from tracesim.capture.attention import CaptureState
 from transformers import DynamicCache
-
-from capture.attention import CaptureState
 
 
 @dataclass
@@ -81,7 +80,7 @@ def greedy_generate(
     ----------
     model : transformers causal LM
         Any attention implementation; to record, load it with ``CAPTURE_ATTN`` and run this inside
-        :func:`capture.attention.recording` with the same ``state``.
+        :func:`tracesim.capture.attention.recording` with the same ``state``.
     prompt_ids : sequence of int
         ``(prompt_length,)`` token ids.
     max_new_tokens : int

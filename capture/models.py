@@ -19,9 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from tracesim.capture.attention import CAPTURE_ATTN, attention_modules, register  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from capture.attention import CAPTURE_ATTN, attention_modules, register  # noqa: E402
 
 #: Model id recorded in traces for the default model.
 SMOLLM2_ID = "smollm2-135m-instruct"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from capture.tasks import TaskPrompt
+from tracesim.capture.tasks import TaskPrompt
 
 __all__ = ["GRADERS", "PromptError", "PromptSpec", "grade_answer", "load_prompts",
            "render_prompt"]

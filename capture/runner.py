@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from capture.attention import CaptureState, LayerArrays, recording
-from capture.generate import greedy_generate
-from capture.models import LoadedModel, load_model, model_info, o_proj_weights, rope_info
-from capture.prompts import PromptSpec, grade_answer, render_prompt
-from capture.tasks import TASKS, TaskPrompt, build_prompt, grade, instance_seed
+from tracesim.capture.attention import CaptureState, LayerArrays, recording
+from tracesim.capture.generate import greedy_generate
+from tracesim.capture.models import LoadedModel, load_model, model_info, o_proj_weights, rope_info
+from tracesim.capture.prompts import PromptSpec, grade_answer, render_prompt
+from tracesim.capture.tasks import TASKS, TaskPrompt, build_prompt, grade, instance_seed
 
 #: Query roles in precedence order (a position in several windows takes the first).
 ROLES = ("context_window", "question_window", "decode", "all")
@@ -121,7 +120,7 @@ def capture_prompt(
     answer_ids = gen.generated_ids[:-1] if gen.stopped_on_eos else gen.generated_ids
     answer = tok.decode(answer_ids, skip_special_tokens=True) if tok is not None else ""
     gold: str | None = p.gold
-    if "grader" in p.meta:  # a prompt of the user's own (capture.prompts)
+    if "grader" in p.meta:  # a prompt of the user's own (tracesim.capture.prompts)
         gold = p.gold if p.meta.get("has_answer") else None
         correct = grade_answer(p.meta["grader"], answer, gold)
     else:
@@ -255,7 +254,7 @@ def run_capture(
     model : str or LoadedModel
         ``"smollm2"``, a local checkpoint directory, or an already loaded model.
     tasks : sequence of str
-        Task names from :data:`capture.tasks.TASKS` (ignored with ``prompts``).
+        Task names from :data:`tracesim.capture.tasks.TASKS` (ignored with ``prompts``).
     n, length, seed : int
         Instances per task, target prompt length in tokens, and the run seed. Instance ``i`` of
         task ``t`` has id ``sequence_id(t, length, seed, i)`` and instance seed
@@ -278,7 +277,8 @@ def run_capture(
     on_sequence : callable, optional
         Called as ``on_sequence(sequence_id, row)`` after each sequence is committed.
     prompts : sequence of PromptSpec, optional
-        Validated lines of a prompts file (:func:`capture.prompts.load_prompts`); their ``id``
+        Validated lines of a prompts file (:func:`tracesim.capture.prompts.load_prompts`); their
+        ``id``
         is the sequence id. Every prompt is rendered before the store is opened.
     layers, kv_heads : sequence of int, optional
         Model layers / KV heads to store (default all); each KV head brings its GQA group of

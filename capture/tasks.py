@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from capture.haystack import ADJECTIVES, NOUNS, PASSKEY_NOISE, SENTENCES
+from tracesim.capture.haystack import ADJECTIVES, NOUNS, PASSKEY_NOISE, SENTENCES
 
 TASKS: tuple[str, ...] = ("passkey", "multikey", "vartrack", "kvret")
 

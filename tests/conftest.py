@@ -7,8 +7,8 @@ import pytest
 def tiny_store(tmp_path_factory):
     """(store path, LoadedModel) of two 160-token passkey sequences captured from a tiny Llama
     (torch is imported here, so test modules without capture tests never need it)."""
-    from capture.models import LoadedModel, load_tokenizer, tiny_model
-    from capture.runner import CaptureConfig, run_capture
+    from tracesim.capture.models import LoadedModel, load_tokenizer, tiny_model
+    from tracesim.capture.runner import CaptureConfig, run_capture
 
     tok = load_tokenizer()
     model = tiny_model("llama", seed=3, vocab_size=len(tok))

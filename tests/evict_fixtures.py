@@ -1,6 +1,7 @@
 """Helpers of the in-loop eviction tests (the ``tiny_store`` fixture is in ``conftest.py``)."""
 
-from capture.inloop.evict import prefill_sequence
+from tracesim.capture.inloop.evict import prefill_sequence
+
 from tracesim.store import open_store
 
 

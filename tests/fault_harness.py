@@ -100,7 +100,7 @@ def _vmhwm_kb() -> int:
 def run_cases(cases: list[dict]) -> dict[str, Any]:
     """Run each case's ``tracesim`` command in this process: :data:`LIMIT_S` of CPU time and
     :data:`HANG_GUARD_S` of wall time at most; ``seconds`` is the CPU time it took."""
-    from tracesim.cli import main as cli_main
+    from tracesim.app.cli import main as cli_main
 
     results = []
     for case in cases:

@@ -33,7 +33,7 @@ _REPLAY = ["--score", "snapkv", "--design", "topk,poisson", "--window", "8", "--
 
 
 def _cli(argv: list[str]) -> None:
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         code = main(argv)

@@ -5,8 +5,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 from statsmodels.stats.nonparametric import rank_compare_2indep
 from statsmodels.stats.weightstats import ttost_paired
-
-from analysis import (
+from tracesim.analysis import (
     calibration_curve,
     cluster_coverage,
     delong_auc,
@@ -140,7 +139,7 @@ def test_holm_matches_definition():
 def test_prereg_loads_validates_and_guards_its_hash(tmp_path):
     from pathlib import Path
 
-    from analysis.prereg import (
+    from tracesim.analysis.prereg import (
         PreregChangedError,
         check_prereg_hash,
         load_prereg,
@@ -170,7 +169,7 @@ def test_prereg_loads_validates_and_guards_its_hash(tmp_path):
 
 
 def test_cluster_bootstrap_auc_widens_under_within_cluster_dependence():
-    from analysis.auc import cluster_bootstrap_auc
+    from tracesim.analysis.auc import cluster_bootstrap_auc
 
     rng = np.random.default_rng(8)
     # Independent cases: bootstrap SE close to DeLong's.

@@ -310,7 +310,7 @@ def test_every_row_of_the_sample_store_is_covered():
 
 
 def test_spec_grid_and_cli_take_summary_page(tmp_path, capsys):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
     from tracesim.policies.grid import SpecError, parse_grid
 
     pols = parse_grid({"score": "snapkv", "design": "topk", "budget": 0.25,

@@ -7,10 +7,9 @@ import importlib
 import numpy as np
 import pytest
 import torch
-
-from capture.attention import STATE_ATTR, CaptureState, attention_modules, recording
-from capture.generate import greedy_generate
-from capture.models import set_attention, tiny_model
+from tracesim.capture.attention import STATE_ATTR, CaptureState, attention_modules, recording
+from tracesim.capture.generate import greedy_generate
+from tracesim.capture.models import set_attention, tiny_model
 
 pytestmark = pytest.mark.capture
 

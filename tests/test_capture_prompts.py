@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from tracesim.capture.cli import parse_indices
+from tracesim.capture.prompts import PromptError, grade_answer, load_prompts, render_prompt
 
-from capture.cli import parse_indices
-from capture.prompts import PromptError, grade_answer, load_prompts, render_prompt
-from tracesim.cli import main
+from tracesim.app.cli import main
 from tracesim.store import open_store, validate_store
 
 FIVE = [
@@ -84,7 +84,7 @@ def test_bad_file_exits_2_and_writes_nothing(tmp_path, capsys):
 
 @pytest.mark.capture
 def test_rendering_boundaries_with_smollm2_tokenizer():
-    from capture.models import load_tokenizer
+    from tracesim.capture.models import load_tokenizer
 
     tok = load_tokenizer("smollm2")
     spec = load_prompts_from(FIVE)[3]

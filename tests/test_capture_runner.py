@@ -12,11 +12,23 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from tracesim.capture.models import (
+    LoadedModel,
+    load_model,
+    load_tokenizer,
+    o_proj_weights,
+    tiny_model,
+)
+from tracesim.capture.runner import (
+    CaptureConfig,
+    capture_prompt,
+    query_roles,
+    run_capture,
+    sequence_id,
+)
+from tracesim.capture.tasks import build_prompt, instance_seed
 
-from capture.models import LoadedModel, load_model, load_tokenizer, o_proj_weights, tiny_model
-from capture.runner import CaptureConfig, capture_prompt, query_roles, run_capture, sequence_id
-from capture.tasks import build_prompt, instance_seed
-from tracesim.cli import main as tracesim_main
+from tracesim.app.cli import main as tracesim_main
 from tracesim.store import open_store, validate_store
 
 pytestmark = pytest.mark.capture
@@ -141,7 +153,7 @@ def test_cli_killed_mid_run_resumes_to_same_store(tmp_path, tiny_dir):
             "--max-new-tokens", "4", "--quiet"]
     cut = tmp_path / "cut"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-m", "tracesim.cli", *argv, "--out", str(cut)],
+    proc = subprocess.Popen([sys.executable, "-m", "tracesim.app.cli", *argv, "--out", str(cut)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
@@ -166,10 +178,10 @@ def test_cli_killed_mid_run_resumes_to_same_store(tmp_path, tiny_dir):
 
 
 def test_cli_import_is_torch_free_and_help_works():
-    code = ("import sys, argparse, capture.cli as c; p = argparse.ArgumentParser(); "
+    code = ("import sys, argparse, tracesim.capture.cli as c; p = argparse.ArgumentParser(); "
             "c.register(p.add_subparsers()); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
-    out = subprocess.run([sys.executable, "-m", "tracesim.cli", "capture", "--help"],
+    out = subprocess.run([sys.executable, "-m", "tracesim.app.cli", "capture", "--help"],
                          check=True, capture_output=True, text=True).stdout
     for flag in ("--model", "--tasks", "--n", "--length", "--out", "--dtype", "--max-new-tokens",
                  "--window", "--all-positions", "--seed"):

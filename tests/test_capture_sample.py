@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tracesim.capture.models import load_model
+from tracesim.capture.runner import CaptureConfig, capture_prompt
+from tracesim.capture.tasks import build_prompt, grade
 
-from capture.models import load_model
-from capture.runner import CaptureConfig, capture_prompt
-from capture.tasks import build_prompt, grade
 from tracesim.store import open_store, validate_store
 
 pytestmark = pytest.mark.capture

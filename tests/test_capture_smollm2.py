@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from tracesim.capture.attention import CaptureState, recording
+from tracesim.capture.generate import greedy_generate
+from tracesim.capture.models import SMOLLM2_ID, load_model, model_info, set_attention
+from tracesim.capture.runner import eos_token_ids, query_roles
+from tracesim.capture.tasks import build_prompt, grade
 
-from capture.attention import CaptureState, recording
-from capture.generate import greedy_generate
-from capture.models import SMOLLM2_ID, load_model, model_info, set_attention
-from capture.runner import eos_token_ids, query_roles
-from capture.tasks import build_prompt, grade
 from tests.test_capture_attention import check_against_hf
 
 pytestmark = pytest.mark.capture

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from capture.cli import _TASKS as CLI_TASKS
-from capture.models import load_tokenizer
-from capture.runner import query_roles
-from capture.tasks import TASKS, build_prompt, grade, instance_seed
+from tracesim.capture.cli import _TASKS as CLI_TASKS
+from tracesim.capture.models import load_tokenizer
+from tracesim.capture.runner import query_roles
+from tracesim.capture.tasks import TASKS, build_prompt, grade, instance_seed
 
 pytestmark = pytest.mark.capture
 

@@ -11,15 +11,14 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from analysis.claim_registry import (
+from tracesim.analysis.claim_registry import (
     BUILTIN_CLAIMS,
     claim_ids,
     register_claim,
     registered_claims,
     unregister_claim,
 )
-from analysis.claims import (
+from tracesim.analysis.claims import (
     INCONCLUSIVE,
     NOT_EVALUATED,
     NOT_SUPPORTED,
@@ -28,9 +27,10 @@ from analysis.claims import (
     ClaimInputs,
     ClaimResult,
 )
-from analysis.cluster import one_sided_bounds
-from analysis.prereg import load_prereg, prereg_hash
-from analysis.report import build_report, write_report
+from tracesim.analysis.cluster import one_sided_bounds
+from tracesim.analysis.prereg import load_prereg, prereg_hash
+from tracesim.analysis.report import build_report, write_report
+
 from tracesim.integrity import sign_results
 
 PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"

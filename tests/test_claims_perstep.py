@@ -11,12 +11,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from analysis.adaptive import evaluate_c10
-from analysis.claims import INPUT_MISSING, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED
-from analysis.claims_replay import evaluate_c1, evaluate_c2_attention
-from analysis.prereg import load_prereg, prereg_hash
-from analysis.report import build_report, write_report
+from tracesim.analysis.adaptive import evaluate_c10
+from tracesim.analysis.claims import INPUT_MISSING, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED
+from tracesim.analysis.claims_replay import evaluate_c1, evaluate_c2_attention
+from tracesim.analysis.prereg import load_prereg, prereg_hash
+from tracesim.analysis.report import build_report, write_report
 
 PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
 
@@ -105,7 +104,7 @@ def test_c1_and_c2_leave_the_per_step_rows_to_c9():
 
 
 def test_report_cli_takes_several_peers_outputs():
-    from tracesim.cli import build_parser
+    from tracesim.app.cli import build_parser
 
     args = build_parser("*").parse_args(["report", "res", "--peers", "p1", "--peers", "p2",
                                          "--out", "r"])

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import tracesim
-from tracesim.cli import _COMMANDS, _SUBCOMMAND_MODULES, build_parser, main
+from tracesim.app.cli import _COMMANDS, _SUBCOMMAND_MODULES, build_parser, main
 
 
 def test_every_table_entry_registers_its_subcommand_with_the_same_help():
@@ -31,19 +31,19 @@ def _modules_after(code: str) -> set[str]:
 
 @pytest.mark.parametrize("code", [
     "import tracesim",
-    "from tracesim.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+    "from tracesim.app.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
 ])
 def test_help_and_import_load_nothing_heavy(code):
     loaded = _modules_after(code)
     heavy = loaded & {"numba", "scipy", "torch", "pyarrow", "pandas", "statsmodels"}
-    # A subcommand module without a line in tracesim.cli._COMMANDS is imported by --help.
+    # A subcommand module without a line in tracesim.app.cli._COMMANDS is imported by --help.
     assert not heavy, f"{sorted(heavy)} imported; modules without a _COMMANDS line: " + str(
         [m for m in _SUBCOMMAND_MODULES if m not in _COMMANDS])
 
 
 def test_subcommand_help_imports_only_its_module(capsys):
     loaded = _modules_after(
-        "from tracesim.cli import main\ntry:\n    main(['synth', '--help'])\n"
+        "from tracesim.app.cli import main\ntry:\n    main(['synth', '--help'])\n"
         "except SystemExit:\n    pass")
     assert "tracesim.synth.cli" in loaded
     assert not loaded & {"tracesim.replay.cli", "tracesim.sweep.cli", "torch", "numba"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from tracesim.cli import build_parser
-from tracesim.cli_docs import DOC_PATH, REGENERATE, render_markdown
+from tracesim.app.cli import build_parser
+from tracesim.app.cli_docs import DOC_PATH, REGENERATE, render_markdown
 from tracesim.cli_help import HelpFormatter, help_problems, iter_parsers
 
 

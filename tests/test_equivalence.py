@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.replay_fixtures import build_store
-from tracesim.cli import main as cli_main
+from tracesim.app.cli import main as cli_main
 from tracesim.policies import make_policy, policy_grid
 from tracesim.policies.equivalence import budget_warnings, effective_key, merge_score_free
 from tracesim.policies.grid import BudgetWarning

@@ -5,8 +5,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tracesim.capture.inloop.evict import (
+    decode_policy,
+    failure_label,
+    layer_plans,
+    prefill_sequence,
+)
 
-from capture.inloop.evict import decode_policy, failure_label, layer_plans, prefill_sequence
 from tests.evict_fixtures import prefilled
 from tracesim import hajek_attention, output_space_certificate
 from tracesim.policies import make_policy
@@ -45,8 +50,8 @@ def test_simulator_and_model_agree_on_kept_sets_outputs_and_certificates(
     """Same kept sets; at the first decode step the model's enforced attention outputs and its
     serving-time certificates equal tracesim's estimator on the same cache, in every layer; and
     in layer 0 (whose query no eviction has touched yet) they equal the replay engine's."""
-    import capture.inloop.evict as ev
-    from capture.inloop.enforce import EvictionState
+    import tracesim.capture.inloop.evict as ev
+    from tracesim.capture.inloop.enforce import EvictionState
 
     store, loaded, seq, meta, P, pre = prefilled(tiny_store)
     policy = make_policy(score, design, budget, score_params={"window": 8})
@@ -181,8 +186,7 @@ def test_failure_labels():
 
 def test_run_evict_writes_outcomes_and_resumes(tiny_store, tmp_path):
     import pyarrow.parquet as pq
-
-    from capture.inloop.evict_run import run_evict
+    from tracesim.capture.inloop.evict_run import run_evict
 
     path, loaded = tiny_store
     policies = [make_policy("snapkv", "poisson", 0.3, score_params={"window": 8}),
@@ -209,7 +213,7 @@ def test_run_evict_writes_outcomes_and_resumes(tiny_store, tmp_path):
 
 
 def test_evict_cli_with_a_checkpoint_directory(tiny_store, tmp_path):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     path, loaded = tiny_store
     ckpt = tmp_path / "tiny-llama"
@@ -257,10 +261,10 @@ def test_evict_sigkill_then_rerun_and_rekeyed_resume(tiny_store, tmp_path):
     import time
 
     import pyarrow.parquet as pq
+    from tracesim.capture.inloop.evict_run import run_evict
 
-    from capture.inloop.evict_run import run_evict
+    from tracesim.app.cli import main
     from tracesim.atomic import DirLock
-    from tracesim.cli import main
 
     path, loaded = tiny_store
     ckpt = tmp_path / "tiny-llama"
@@ -271,7 +275,7 @@ def test_evict_sigkill_then_rerun_and_rekeyed_resume(tiny_store, tmp_path):
                     "  score_params: {snapkv: {window: 8}}\nseeds: 2\n")
     out = tmp_path / "o"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-m", "tracesim.cli", "evict", str(path),
+    proc = subprocess.Popen([sys.executable, "-m", "tracesim.app.cli", "evict", str(path),
                              "--grid", str(grid), "--out", str(out), "--model", str(ckpt)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -303,8 +307,8 @@ def test_evict_sigkill_then_rerun_and_rekeyed_resume(tiny_store, tmp_path):
 def test_evict_prefills_with_the_stores_capture_window(tmp_path, tiny_store):
     # A store captured with a 40-query window: SnapKV reading 40 window queries runs in the
     # loop (the prefill used to record the default 32 and refused).
-    from capture.inloop.evict_run import run_evict
-    from capture.runner import CaptureConfig, run_capture
+    from tracesim.capture.inloop.evict_run import run_evict
+    from tracesim.capture.runner import CaptureConfig, run_capture
 
     _, loaded = tiny_store
     out = tmp_path / "w40"

@@ -5,11 +5,16 @@ import math
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from tracesim.capture.inloop.answer import (
+    ANSWER_COLUMNS,
+    answer_columns,
+    locate_answer,
+    sequence_answer,
+)
+from tracesim.capture.inloop.evict import decode_policy, layer_plans, outcome_row
+from tracesim.capture.models import load_tokenizer
+from tracesim.capture.tasks import build_prompt
 
-from capture.inloop.answer import ANSWER_COLUMNS, answer_columns, locate_answer, sequence_answer
-from capture.inloop.evict import decode_policy, layer_plans, outcome_row
-from capture.models import load_tokenizer
-from capture.tasks import build_prompt
 from tests.evict_fixtures import prefilled
 from tracesim.columns import COLUMN_DOCS, nullify_rows
 from tracesim.policies import make_policy
@@ -132,8 +137,9 @@ def test_no_span_gives_null_columns(tiny_store):
 
 
 def test_run_evict_writes_the_answer_columns_and_the_report_table(tiny_store, tmp_path):
-    from analysis.answer_span import add_to_report, answer_span_table
-    from capture.inloop.evict_run import run_evict
+    from tracesim.analysis.answer_span import add_to_report, answer_span_table
+    from tracesim.capture.inloop.evict_run import run_evict
+
     from tracesim.peers import make_peer
 
     path, loaded = tiny_store
@@ -165,6 +171,6 @@ def test_the_span_and_its_table_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, capture.inloop.answer, analysis.answer_span; "
+    code = ("import sys, tracesim.capture.inloop.answer, tracesim.analysis.answer_span; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -4,9 +4,9 @@ offline tiers simulator on layer 0, outcome columns and option errors."""
 
 import numpy as np
 import pytest
+from tracesim.capture.inloop.evict import decode_policy, layer_plans
+from tracesim.capture.inloop.fetch import FetchConfig
 
-from capture.inloop.evict import decode_policy, layer_plans
-from capture.inloop.fetch import FetchConfig
 from tests.evict_fixtures import prefilled
 from tracesim.policies import make_policy
 from tracesim.replay import load_layer
@@ -53,7 +53,7 @@ def test_zero_budget_is_plain_eviction_and_unlimited_is_the_full_cache(tiny_stor
 
 def _fetch_run(tiny_store, index, policy, seed, fetch):
     """Decode with ``fetch``; per layer the step queries and outputs, and the last cache."""
-    import capture.inloop.fetch as cf
+    import tracesim.capture.inloop.fetch as cf
 
     store, loaded, seq, meta, P, pre = prefilled(tiny_store, index)
     seen: dict[int, dict] = {}
@@ -173,8 +173,8 @@ def test_every_layer_and_step_matches_the_simulator_on_the_runs_own_cache(tiny_s
 
 def test_run_evict_with_fetch_writes_columns(tiny_store, tmp_path):
     import pyarrow.parquet as pq
+    from tracesim.capture.inloop.evict_run import run_evict
 
-    from capture.inloop.evict_run import run_evict
     from tracesim.columns import COLUMN_DOCS
 
     path, loaded = tiny_store
@@ -227,7 +227,7 @@ def test_run_evict_with_fetch_writes_columns(tiny_store, tmp_path):
     (["--fetch", "random", "--tiers-spec", "MISSING"], "poisson", ["--tiers-spec"]),
 ])
 def test_bad_fetch_options_exit_2(tiny_store, tmp_path, capsys, extra, grid, words):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     path, _ = tiny_store
     design = "topk" if grid == "topk" else "poisson"
@@ -251,7 +251,7 @@ def test_host_copies_over_their_budget_are_converted_each_step_with_the_same_run
         tiny_store, monkeypatch):
     """Beyond ``HOST_COPY_BYTES`` every step converts its layer's cache afresh; the fetches,
     tokens and certificates are those of the run that keeps the copies."""
-    import capture.inloop.fetch as cf
+    import tracesim.capture.inloop.fetch as cf
 
     store, loaded, seq, meta, P, pre = prefilled(tiny_store)
     n = len(meta["generated_ids"])

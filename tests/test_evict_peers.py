@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
+import tracesim.capture.inloop.peers as peers_mod
 from scipy import special
+from tracesim.capture.inloop.peers import decode_peer
 
-import capture.inloop.peers as peers_mod
-from capture.inloop.peers import decode_peer
 from tests.evict_fixtures import prefilled
 from tracesim.peers import make_peer, step_inputs
 from tracesim.replay import load_layer
@@ -49,8 +49,8 @@ def test_first_step_output_is_the_peers_estimate_on_the_stored_query(monkeypatch
 
 def test_run_evict_with_peers_writes_rows_and_full_quest_is_the_full_cache(tiny_store, tmp_path):
     import pyarrow.parquet as pq
+    from tracesim.capture.inloop.evict_run import run_evict
 
-    from capture.inloop.evict_run import run_evict
     from tracesim.policies import make_policy
 
     path, loaded = tiny_store
@@ -81,7 +81,7 @@ def test_run_evict_with_peers_writes_rows_and_full_quest_is_the_full_cache(tiny_
     (["--peer", "nope"], "nope"),
     (["--peer-params", '{"quest": {}}'], "--peer-params")])
 def test_bad_peer_options_exit_2_naming_the_field(tiny_store, tmp_path, capsys, args, field):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     path, _ = tiny_store
     grid = tmp_path / "g.yaml"

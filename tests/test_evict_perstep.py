@@ -4,10 +4,10 @@ import copy
 
 import numpy as np
 import pytest
+import tracesim.capture.inloop.perstep as perstep_mod
+from tracesim.capture.inloop.evict import decode_policy, layer_plans, prefill_sequence
+from tracesim.capture.inloop.perstep import STEP_COLUMNS, step_trace
 
-import capture.inloop.perstep as perstep_mod
-from capture.inloop.evict import decode_policy, layer_plans, prefill_sequence
-from capture.inloop.perstep import STEP_COLUMNS, step_trace
 from tests.evict_fixtures import prefilled
 from tracesim import hajek_attention
 from tracesim.policies import make_policy
@@ -145,8 +145,8 @@ def test_per_step_draws_are_fresh_or_permanent_and_reruns_are_identical(tiny_sto
 
 def test_run_evict_with_per_step_designs_writes_step_costs_and_resumes(tiny_store, tmp_path):
     import pyarrow.parquet as pq
+    from tracesim.capture.inloop.evict_run import run_evict
 
-    from capture.inloop.evict_run import run_evict
     from tracesim.columns import COLUMN_DOCS
 
     path, loaded = tiny_store
@@ -183,7 +183,7 @@ def test_run_evict_with_per_step_designs_writes_step_costs_and_resumes(tiny_stor
     ("design: [poisson]\n  score_params: {perstep: {gqa: median}}", "gqa")])
 def test_bad_per_step_options_exit_2_naming_the_field(tiny_store, tmp_path, capsys, params,
                                                        field):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     path, _ = tiny_store
     grid = tmp_path / "bad.yaml"

@@ -5,8 +5,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-
-from analysis.evict_perstep import (
+from tracesim.analysis.evict_perstep import (
     accuracy_bytes_figure,
     configuration_label,
     outcome_table,
@@ -76,7 +75,7 @@ def test_outcome_table_pairs_each_design_with_its_baselines(outcomes):
 
 
 def test_per_step_claims_use_only_per_step_rows(outcomes):
-    from analysis.prereg import load_prereg
+    from tracesim.analysis.prereg import load_prereg
 
     claims = per_step_claims(outcomes, load_prereg("data/prereg.yaml"))
     assert claims["C2"]["accuracy_pairs"] == 8
@@ -87,8 +86,8 @@ def test_per_step_claims_use_only_per_step_rows(outcomes):
 
 
 def test_the_report_gets_the_per_step_table_claims_and_figure(outcomes):
-    from analysis.evict_perstep import add_to_report
-    from analysis.prereg import load_prereg
+    from tracesim.analysis.evict_perstep import add_to_report
+    from tracesim.analysis.prereg import load_prereg
 
     class Report:
         tables: dict = {}
@@ -121,7 +120,7 @@ def _write_outcomes(d, frame):
 
 
 def test_several_outcome_directories_join_and_count_shared_rows_once(outcomes, tmp_path, capsys):
-    from analysis.evict_perstep import load_many, main
+    from tracesim.analysis.evict_perstep import load_many, main
 
     first = outcomes[outcomes.config_id.isin(["full", "snap"])]
     second = outcomes[outcomes.config_id != "snap"]  # the full cache again, plus the per-step

@@ -12,7 +12,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from tracesim.cli import main as cli_main
+from tracesim.app.cli import main as cli_main
 from tracesim.export import ExportError, export_results
 
 

@@ -30,7 +30,7 @@ import yaml
 
 from tests.fault_mutations import BASE_SPEC, spec_mutations, store_mutations
 from tests.replay_fixtures import build_store
-from tracesim.cli import main as cli_main
+from tracesim.app.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--layers", "0", "--seeds", "2", "--window", "8", "--score", "snapkv",
@@ -143,7 +143,7 @@ def test_mutated_specs_exit_2_naming_the_key(base, tmp_path):
 #: multi-threaded parent and running Python before exec can deadlock).
 CAPPED = (f"import resource, sys; cap = {MEMORY_CAP}; "
           "resource.setrlimit(resource.RLIMIT_DATA, (cap, cap)); "
-          "from tracesim.cli import main; sys.exit(main(sys.argv[1:]))")
+          "from tracesim.app.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def _capped(argv: list[str]) -> list[str]:
@@ -281,7 +281,7 @@ def test_replay_sigkill_at_random_points_then_rerun(base, tmp_path):
     rng = np.random.default_rng(7)
     killed = 0
     for delay in rng.uniform(0.0, 0.5, size=2):
-        proc = subprocess.Popen([sys.executable, "-m", "tracesim.cli", "replay", str(big),
+        proc = subprocess.Popen([sys.executable, "-m", "tracesim.app.cli", "replay", str(big),
                                  *args, "--out", str(out)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 240

@@ -9,10 +9,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tracesim.analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch_outcomes
+from tracesim.analysis.prereg import prereg_hash
+from tracesim.analysis.report import build_report
 
-from analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch_outcomes
-from analysis.prereg import prereg_hash
-from analysis.report import build_report
 from tests.test_report import PREREG, inputs  # noqa: F401  (the fixture)
 
 # Correct answers per (scheduler, sequence) over two seeds: certificate_bound is right on

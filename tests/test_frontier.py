@@ -10,13 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import statsmodels.api as sm
-
-from analysis.claims import NOT_EVALUATED
-from analysis.cluster import cluster_proportions
-from analysis.coverage import cluster_coverage
-from analysis.frontier import _versus_topk, frontier_table
-from analysis.prereg import load_prereg, prereg_hash
-from analysis.validity import (
+from tracesim.analysis.claims import NOT_EVALUATED
+from tracesim.analysis.cluster import cluster_proportions
+from tracesim.analysis.coverage import cluster_coverage
+from tracesim.analysis.frontier import _versus_topk, frontier_table
+from tracesim.analysis.prereg import load_prereg, prereg_hash
+from tracesim.analysis.validity import (
     SplitSettings,
     ValidityRuleError,
     check_rules,
@@ -27,6 +26,7 @@ from analysis.validity import (
     save_rules,
     split_sequences,
 )
+
 from tests.frontier_fixtures import synthetic_results
 
 PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
@@ -95,8 +95,9 @@ def test_a_rule_fit_on_held_out_sequences_is_refused(results, tmp_path):
         check_rules({cid: replace(rule, calibration_ids=rule.calibration_ids[1:])}, SETTINGS,
                     held)
     # Through the report: a rule file fitted on held-out sequences stops it with a clear error.
-    from analysis.report import build_report
-    from tracesim.cli import main
+    from tracesim.analysis.report import build_report
+
+    from tracesim.app.cli import main
 
     res_dir = tmp_path / "res"
     res_dir.mkdir()
@@ -166,7 +167,7 @@ def test_error_versus_topk_interpolates_log_error_in_memory():
 
 
 def test_frontier_files_are_written_and_readable(tmp_path):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     df = synthetic_results(n_seq=12, seeds=1, bound=True)
     res = tmp_path / "results.parquet"
@@ -198,7 +199,7 @@ def test_frontier_files_are_written_and_readable(tmp_path):
 
 
 def test_c8_verdict_and_fraction_certified(results):
-    from analysis.claims_c8 import evaluate_c8
+    from tracesim.analysis.claims_c8 import evaluate_c8
 
     prereg = load_prereg(PREREG)
     c8, rules = evaluate_c8(results, prereg)
@@ -222,8 +223,8 @@ def test_prereg_c8_errors_name_the_field(tmp_path):
 
 
 def test_study_specs_are_valid_grids_pointed_at_the_study_traces(tmp_path):
+    from tracesim.app.study import SPECS, study_spec
     from tracesim.policies.grid import parse_grid
-    from tracesim.study import SPECS, study_spec
 
     for name in SPECS:
         spec = study_spec(name, tmp_path / "out", tmp_path / "traces")
@@ -235,7 +236,7 @@ def test_study_specs_are_valid_grids_pointed_at_the_study_traces(tmp_path):
 
 
 def test_c8_leaves_the_per_step_rows_to_c9(results):
-    from analysis.claims_c8 import evaluate_c8
+    from tracesim.analysis.claims_c8 import evaluate_c8
 
     prereg = load_prereg(PREREG)
     base = results if "schedule" in results else results.assign(schedule="oneshot")

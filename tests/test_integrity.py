@@ -94,7 +94,7 @@ def test_an_exception_while_staging_changes_nothing_and_stale_stages_are_removed
 
 def test_trust_unsigned_reports_with_a_warning(integrity, tmp_path):
     """The documented acceptance: older results without a record, with --trust-unsigned."""
-    from analysis.report import load_results
+    from tracesim.analysis.report import load_results
 
     notes: list[str] = []
     df, _ = load_results(integrity["paths"]["unsigned"], trust_unsigned=True, notes=notes)

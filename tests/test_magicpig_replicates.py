@@ -159,7 +159,7 @@ def test_replay_with_replicates_writes_both_certificates(tmp_path):
 def test_in_loop_summary_bits_count_every_hash_set():
     """The in-loop memory figure charges R sets of K·L hash bits (plus one 16-bit key norm)."""
     pytest.importorskip("torch")
-    from capture.inloop.peers import summary_bits
+    from tracesim.capture.inloop.peers import summary_bits
 
     one, four = MagicPIG(bits=10, tables=150), MagicPIG(bits=10, tables=150, replicates=4)
     assert summary_bits(one, 64) == 10 * 150 + 16

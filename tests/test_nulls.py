@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.replay_fixtures import build_store
-from tracesim.cli import main as cli_main
+from tracesim.app.cli import main as cli_main
 from tracesim.columns import DESCRIPTION_KEY, nullify_rows, to_arrow
 
 

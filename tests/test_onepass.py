@@ -7,8 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from capture.inloop.enforce import serving_certificates  # noqa: E402
-from capture.inloop.onepass import onepass_attention, pair_quadratic_forms  # noqa: E402
+from tracesim.capture.inloop.enforce import serving_certificates  # noqa: E402
+from tracesim.capture.inloop.onepass import onepass_attention, pair_quadratic_forms  # noqa: E402
+
 from tracesim import hajek_attention, output_space_certificate  # noqa: E402
 
 pytestmark = pytest.mark.capture

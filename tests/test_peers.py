@@ -179,7 +179,7 @@ def test_replay_peers_rows_and_reproducibility(tmp_path):
 def test_peers_cli_writes_results_and_refuses_bad_input(tmp_path, capsys):
     import pyarrow.parquet as pq
 
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     store = build_store(tmp_path / "s", n_seqs=1, n_layers=2)
     out = tmp_path / "out"

@@ -266,7 +266,8 @@ def test_per_step_results_are_bit_identical_across_threads(trace):
 
 
 def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
-    from analysis.adaptive import adaptive_table
+    from tracesim.analysis.adaptive import adaptive_table
+
     from tests.replay_fixtures import build_store
     from tracesim.replay import replay
     from tracesim.store import open_store
@@ -286,7 +287,8 @@ def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
 
 
 def test_by_table_keeps_each_store_apart(tmp_path):
-    from analysis.adaptive import adaptive_table, by_table
+    from tracesim.analysis.adaptive import adaptive_table, by_table
+
     from tests.replay_fixtures import build_store
     from tracesim.replay import replay
     from tracesim.store import open_store
@@ -308,7 +310,7 @@ def test_by_table_keeps_each_store_apart(tmp_path):
     with pytest.raises(ValueError, match="--by 'nope'"):
         by_table(df, "nope")
     # The report lists several stores apart and pools them in the figure.
-    from analysis.adaptive_figure import add_to_report
+    from tracesim.analysis.adaptive_figure import add_to_report
 
     class Report:
         tables: dict = {}
@@ -337,9 +339,9 @@ def _frame(config, n_seq, cov, err2, cert2=1.0, rng=None, **meta):
 
 def test_claims_c9_c10_and_the_conformal_radius_on_constructed_results():
     import pandas as pd
+    from tracesim.analysis.adaptive import conformal_radius, evaluate_c9, evaluate_c10
+    from tracesim.analysis.prereg import load_prereg
 
-    from analysis.adaptive import conformal_radius, evaluate_c9, evaluate_c10
-    from analysis.prereg import load_prereg
     from tracesim.policies import make_policy
 
     pre = load_prereg("data/prereg.yaml")
@@ -382,9 +384,9 @@ def test_claims_c9_c10_and_the_conformal_radius_on_constructed_results():
 
 def test_cost_columns_follow_the_memory_model():
     import pandas as pd
+    from tracesim.analysis.adaptive import adaptive_table
+    from tracesim.analysis.adaptive_costs import cost_columns
 
-    from analysis.adaptive import adaptive_table
-    from analysis.adaptive_costs import cost_columns
     from tracesim.tiers.model import MemoryModel, Tier
 
     step = make_policy("perstep", "poisson", 0.25, schedule="step",
@@ -414,9 +416,9 @@ def test_cost_columns_follow_the_memory_model():
 
 
 def test_frontier_counts_the_bytes_each_step_reads_and_draws():
-    from analysis.adaptive import adaptive_table
-    from analysis.adaptive_costs import cost_columns
-    from analysis.adaptive_figure import frontier_figure
+    from tracesim.analysis.adaptive import adaptive_table
+    from tracesim.analysis.adaptive_costs import cost_columns
+    from tracesim.analysis.adaptive_figure import frontier_figure
 
     step = make_policy("perstep", "poisson", 0.25, schedule="step",
                        score_params={"proxy": "quant:4"})
@@ -442,7 +444,8 @@ def test_frontier_counts_the_bytes_each_step_reads_and_draws():
 
 
 def test_frontier_md_tabulates_per_step_designs_against_their_costs(tmp_path):
-    from analysis.frontier_cli import perstep_costs_markdown, run_frontier
+    from tracesim.analysis.frontier_cli import perstep_costs_markdown, run_frontier
+
     from tests.replay_fixtures import build_store
     from tracesim.integrity import sign_results
     from tracesim.replay import replay
@@ -467,10 +470,9 @@ def test_frontier_md_tabulates_per_step_designs_against_their_costs(tmp_path):
 
 def test_claims_need_two_sequences_and_paired_sequences():
     import pandas as pd
-
-    from analysis.adaptive import evaluate_c9
-    from analysis.cluster import one_sided_bounds
-    from analysis.prereg import load_prereg
+    from tracesim.analysis.adaptive import evaluate_c9
+    from tracesim.analysis.cluster import one_sided_bounds
+    from tracesim.analysis.prereg import load_prereg
 
     m, lo, hi = one_sided_bounds(pd.Series([1.0, 0.0, 1.0, 1.0]), pd.Series(["a"] * 4), 0.95)
     assert m == 0.75 and np.isnan(lo) and np.isnan(hi)  # one sequence: no interval

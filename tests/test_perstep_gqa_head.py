@@ -210,7 +210,7 @@ def test_bad_gqa_values_and_schedules_name_the_field(trace):
     ("score: [perstep]\n  design: [poisson]\n  budget: [0.3]\n  schedule: [step]\n"
      "  score_params: {perstep: {gqa: [median]}}", "gqa")])
 def test_bad_gqa_options_exit_2_in_the_sweep_cli(tmp_path, capsys, grid, field):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     build_store(tmp_path / "store", n_seqs=1, n_layers=1)
     (tmp_path / "spec.yaml").write_text(f"name: bad\nstore: store\nlayers: all\ngrid:\n  {grid}\n"
@@ -220,7 +220,7 @@ def test_bad_gqa_options_exit_2_in_the_sweep_cli(tmp_path, capsys, grid, field):
 
 
 def test_evict_refuses_per_query_head_samples(tmp_path, capsys):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     path = build_store(tmp_path / "store", n_seqs=1, n_layers=1)
     grid = tmp_path / "grid.yaml"
@@ -278,8 +278,8 @@ def test_sweep_grid_crosses_gqa_and_is_identical_on_one_and_two_workers(tmp_path
 
 
 def test_adaptive_table_labels_gqa_and_costs_count_each_heads_rows():
-    from analysis.adaptive import adaptive_table
-    from analysis.adaptive_costs import cost_columns
+    from tracesim.analysis.adaptive import adaptive_table
+    from tracesim.analysis.adaptive_costs import cost_columns
 
     rows = []
     for gqa, kept in (("mean", 100), ("head", 90)):

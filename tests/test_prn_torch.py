@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from tracesim.capture.inloop.prn_torch import permanent_uniforms_torch
 
-from capture.inloop.prn_torch import permanent_uniforms_torch
 from tracesim.prn import STREAM_PERTURBATION, permanent_uniforms
 
 

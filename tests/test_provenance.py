@@ -11,8 +11,8 @@ import hashlib
 import os
 
 import pytest
+from tracesim.capture.inloop.evict_run import _safe_name as evict_part_name
 
-from capture.inloop.evict_run import _safe_name as evict_part_name
 from tracesim.errors import UsageError
 from tracesim.provenance import (
     PREREG_FILE,

@@ -200,7 +200,8 @@ def test_sweep_spec_bootstrap_option():
 
 
 def test_frontier_reports_the_bootstrap_variant():
-    from analysis.frontier import frontier_table
+    from tracesim.analysis.frontier import frontier_table
+
     from tests.frontier_fixtures import synthetic_results
 
     df = synthetic_results(n_seq=6, seeds=2)
@@ -261,7 +262,7 @@ def test_bootstrap_is_independent_of_the_query_chunking(boot_run, monkeypatch):
 
 @pytest.mark.parametrize("bad", ["1", "-2", "100001"])
 def test_replay_cli_refuses_a_bad_bootstrap_naming_the_option(tmp_path, capsys, bad):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     code = main(["replay", str(tmp_path / "store"), "--bootstrap", bad, "--out",
                  str(tmp_path / "out")])

@@ -8,10 +8,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tracesim.analysis.claims import INCONCLUSIVE, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED
+from tracesim.analysis.prereg import PreregChangedError, prereg_hash
+from tracesim.analysis.report import build_report, write_report
 
-from analysis.claims import INCONCLUSIVE, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED
-from analysis.prereg import PreregChangedError, prereg_hash
-from analysis.report import build_report, write_report
 from tests.replay_fixtures import build_store
 from tracesim.integrity import sign_results
 from tracesim.policies import policy_grid
@@ -122,7 +122,7 @@ def test_report_refuses_a_changed_preregistration(inputs, tmp_path):
 
 
 def test_report_cli(inputs, tmp_path):
-    from tracesim.cli import main
+    from tracesim.app.cli import main
 
     _, _, results, outcomes = inputs
     assert main(["report", str(results), str(outcomes), "--out", str(tmp_path / "r")]) == 0
@@ -131,7 +131,7 @@ def test_report_cli(inputs, tmp_path):
 
 
 def test_sample_size_tiers():
-    from analysis.provenance import sample_size_caveat
+    from tracesim.analysis.provenance import sample_size_caveat
 
     assert sample_size_caveat(9)[1].startswith("n = 9 sequences: a smoke test")
     assert sample_size_caveat(1)[1].startswith("n = 1 sequence: a smoke test")
@@ -141,7 +141,7 @@ def test_sample_size_tiers():
 
 
 def test_designs_that_ignore_the_score_are_labelled_once():
-    from analysis.report_figures import policy_labels
+    from tracesim.analysis.report_figures import policy_labels
 
     df = pd.DataFrame({"score": ["snapkv", "h2o", "snapkv", "h2o", "vnorm", "h2o"],
                        "design": ["bernoulli", "bernoulli", "poisson", "poisson", "bernoulli",
@@ -157,7 +157,7 @@ def test_designs_that_ignore_the_score_are_labelled_once():
 def test_coverage_heatmap_masks_thin_cells_and_fixes_the_scale(monkeypatch):
     """Cells with fewer sequences than the threshold are masked; the colour limits do not
     depend on the data (pure-noise coverage near nominal gives the same norm)."""
-    from analysis import report_figures as rf
+    from tracesim.analysis import report_figures as rf
 
     seen = []
     import matplotlib.colors

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tracesim.cli import main as cli_main
+from tracesim.app.cli import main as cli_main
 from tracesim.store import (
     SCHEMA_VERSION,
     ModelMeta,

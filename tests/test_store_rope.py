@@ -87,7 +87,7 @@ def test_resuming_an_older_store_keeps_its_model_json(tmp_path):
 
 def test_capture_records_the_config_rope_settings():
     pytest.importorskip("torch")
-    from capture.models import rope_info
+    from tracesim.capture.models import rope_info
 
     cfg = SimpleNamespace(rope_theta=100000, rope_scaling=None)
     assert rope_info(SimpleNamespace(config=cfg)) == ROPE
@@ -105,9 +105,9 @@ def test_rope_settings_of_a_transformers_config_and_the_inverse_rotation():
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import torch
+    from tracesim.capture.models import rope_info
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from capture.models import rope_info
     from tracesim.policies.expected_attention import rope_inv_freq, unrotate
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -75,7 +75,7 @@ def test_summary_and_equivalence_with_in_process_replay(env, reference):
     pd.testing.assert_frame_equal(results(env / "ref"), reference, check_exact=True)
     # Both summaries record the results file (rows, sha256, configurations) and the report's
     # loader accepts what the sweep wrote.
-    from analysis.report import load_results
+    from tracesim.analysis.report import load_results
 
     ids = sorted(p.id for p in spec.policies)
     for doc in (summary, json.loads((env / "ref" / "results" / "summary.json").read_text())):
@@ -95,7 +95,7 @@ def test_two_workers_bit_identical(env, reference, backend):
 
 
 def _cli(spec: Path, out: Path, workers: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tracesim.cli", "sweep", str(spec), "--out", str(out),
+    cmd = [sys.executable, "-m", "tracesim.app.cli", "sweep", str(spec), "--out", str(out),
            "--workers", str(workers), "--threads-per-worker", "1", "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tests.sweep_fixtures import SPEC_TEXT, build_sweep_store
-from tracesim.cli import main as cli_main
+from tracesim.app.cli import main as cli_main
 from tracesim.policies import policy_grid
 from tracesim.sweep import SpecError, expand_grid, load_spec, parse_grid, parse_spec, plan_tasks
 

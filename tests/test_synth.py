@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tracesim.cli import main as cli_main
+from tracesim.app.cli import main as cli_main
 from tracesim.store import open_store, validate_store
 from tracesim.synth import SynthConfig, write_synthetic_store
 from tracesim.synth.attention import causal_attention, weighted_attention_sums

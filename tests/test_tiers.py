@@ -8,10 +8,10 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from tracesim.analysis.tiers import compare_schedulers, scheduler_curves, tiers_figure
 
-from analysis.tiers import compare_schedulers, scheduler_curves, tiers_figure
 from tests.replay_fixtures import build_store, synthetic_trace
-from tracesim.cli import main
+from tracesim.app.cli import main
 from tracesim.policies import policy_grid
 from tracesim.replay import replay_layer
 from tracesim.replay.kept import event_inclusion
@@ -235,7 +235,7 @@ def test_analysis_curves_tests_and_figure(tmp_path):
     # the report carries the tables and the figure with --tiers
     from pathlib import Path
 
-    from analysis.report import build_report
+    from tracesim.analysis.report import build_report
     prereg = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
     report = build_report(None, None, prereg_path=prereg, tiers_dir=tmp_path / "out")
     assert "tiers" in report.figures

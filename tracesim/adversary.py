@@ -30,7 +30,8 @@ import pyarrow.parquet as pq
 
 from tracesim.kernels import replay as K
 from tracesim.kernels.bounds import B_BOUND
-from tracesim.policies import LayerTrace, make_policy
+from tracesim.layer_trace import LayerTrace
+from tracesim.policies import make_policy
 from tracesim.replay.engine import ReplayOptions, replay_layer
 from tracesim.replay.inclusion import seed_uniforms
 

@@ -108,7 +108,8 @@ COLUMN_DOCS: dict[str, str] = {
     "memory_tokens": "kept prompt tokens summed over layers and KV heads",
     "full_memory_tokens": "prompt tokens summed over layers and KV heads (full cache)",
     "decode_seconds": "wall time of the decode (s)",
-    # evict outcomes: per decode step costs (capture.inloop.perstep.step_columns), means over
+    # evict outcomes: per decode step costs (tracesim.capture.inloop.perstep.step_columns), means
+    # over
     # the run's decode steps, summed over layers and KV heads unless noted
     "step_tokens_mean": "tokens of [0, t) a decode step attends, per (layer, KV head)",
     "step_tokens_fraction": "step_tokens_mean / t, mean over steps, layers and KV heads",
@@ -119,7 +120,8 @@ COLUMN_DOCS: dict[str, str] = {
     "step_link_bytes": "step_rows_read x token bytes: bytes over the link per step",
     "step_us": "modelled time of a step's lower-tier reads on the first lower tier of the "
                "tiers memory model (us; rows scattered, one transfer each, layer by layer)",
-    # evict outcomes: the answer span (capture.inloop.answer); null where the sequence has no
+    # evict outcomes: the answer span (tracesim.capture.inloop.answer); null where the sequence has
+    # no
     # located span (a task outside the generated ones, or the gold not found in the context)
     "answer_tokens": "prompt tokens carrying the gold answer's digits in the context, every "
                      "occurrence (the answer span)",

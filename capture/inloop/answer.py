@@ -1,6 +1,6 @@
 """Answer-span diagnostics of the in-loop runs: how much of the gold answer each policy kept.
 
-For a generated task (:mod:`capture.tasks`) the gold answer is a number written inside the
+For a generated task (:mod:`tracesim.capture.tasks`) the gold answer is a number written inside the
 needle sentence(s) of the context. :func:`locate_answer` finds the prompt tokens that carry its
 digits, from the stored token ids alone (the trace format is unchanged), and the outcome rows
 then say, per (layer, KV head), what share of those tokens the configuration attended
@@ -13,7 +13,8 @@ its tokens are those whose characters overlap it. An occurrence counts only if d
 tokens together with one neighbour on each side again shows the gold as a whole number, so a
 tokenizer whose single-token decoding drops a space cannot join two numbers into a false match.
 Every occurrence in the context counts (the passkey needle states its key twice). Sequences of
-tasks outside :data:`capture.tasks.TASKS`, with a non-numeric or missing gold, or whose gold is
+tasks outside :data:`tracesim.capture.tasks.TASKS`, with a non-numeric or missing gold, or whose
+gold is
 not found in the context have no span (null columns).
 
 This module imports no torch: it works on numpy arrays of kept masks and inclusion
@@ -86,7 +87,7 @@ def locate_answer(token_ids: Sequence[int], context_start: int, context_end: int
     gold : str or None
         The gold answer.
     task : str or None
-        The task; only the generated tasks (:data:`capture.tasks.TASKS`) have a span.
+        The task; only the generated tasks (:data:`tracesim.capture.tasks.TASKS`) have a span.
     tokenizer : transformers tokenizer or None
 
     Returns
@@ -94,7 +95,7 @@ def locate_answer(token_ids: Sequence[int], context_start: int, context_end: int
     AnswerSpan or None
         Positions are prompt token positions (``context_start`` and up).
     """
-    from capture.tasks import TASKS
+    from tracesim.capture.tasks import TASKS
 
     if (tokenizer is None or task not in TASKS or not gold or not gold.isascii()
             or not gold.isdigit()):

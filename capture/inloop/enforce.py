@@ -1,6 +1,7 @@
 """Enforcing an eviction configuration inside attention, with serving-time certificates.
 
-:class:`EvictionState` is a :class:`~capture.attention.CaptureState` whose bias hook applies, per
+:class:`EvictionState` is a :class:`~tracesim.capture.attention.CaptureState` whose bias hook
+applies, per
 KV head, an additive fp32 bias over the prompt positions: ``-inf`` for evicted tokens,
 ``-log pi_i`` for kept tail tokens (Hájek) or ``0`` (uncorrected), and 0 for take-all tokens and
 for every generated token. Masking instead of removing tokens keeps every position's RoPE phase
@@ -14,7 +15,7 @@ At each decode step it also computes, in torch, from what the cache retains only
   through each group's Gram matrix ``W_g^T W_g``.
 
 By default a certified decode step computes the attention output and both certificates in one
-blocked pass over the cache (:func:`capture.inloop.onepass.onepass_attention`,
+blocked pass over the cache (:func:`tracesim.capture.inloop.onepass.onepass_attention`,
 online-softmax rescaling
 of ``sum c``, ``sum c v`` and ``sum c ||v||^2``), instead of SDPA followed by a second pass over
 the residuals ``v_i - o_hat`` (:func:`serving_certificates`, kept as the reference and used with
@@ -28,14 +29,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from capture.attention import CaptureState
-from capture.inloop.onepass import (
+from tracesim.capture.attention import CaptureState
+from tracesim.capture.inloop.onepass import (
     fixed_size_inflation,
     group_queries,
     onepass_attention,
     pair_quadratic_forms,
 )
+
 from tracesim.policies import Policy
 
 __all__ = ["EvictionState", "LayerPlan", "serving_certificates"]

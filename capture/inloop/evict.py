@@ -5,7 +5,8 @@ H2O statistics), which yields exactly the per-layer :class:`~tracesim.policies.L
 offline simulator would read from a trace store. Every (policy, seed) then gets its kept sets from
 the replay engine's own code (:func:`tracesim.replay.inclusion.first_event_inclusion`) and the
 same permanent random numbers (bit-identical torch port), is enforced as an attention bias
-(:mod:`capture.inloop.enforce`), and decodes greedily from a copy of the prefill cache. The cache is
+(:mod:`tracesim.capture.inloop.enforce`), and decodes greedily from a copy of the prefill cache.
+The cache is
 cropped back to the prompt between configurations, so a grid costs one prefill plus one short
 decode per configuration.
 
@@ -22,17 +23,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from tracesim.capture.attention import CaptureState, attention_modules, recording
+from tracesim.capture.generate import decode_greedy, prefill
+from tracesim.capture.inloop import perstep
+from tracesim.capture.inloop.answer import AnswerSpan, answer_columns, plan_masks
+from tracesim.capture.inloop.enforce import EvictionState, LayerPlan
+from tracesim.capture.inloop.prn_torch import layer_uniforms_torch
+from tracesim.capture.models import rope_info
+from tracesim.capture.runner import query_roles
+from tracesim.capture.tasks import grade
 
-from capture.attention import CaptureState, attention_modules, recording
-from capture.generate import decode_greedy, prefill
-from capture.inloop import perstep
-from capture.inloop.answer import AnswerSpan, answer_columns, plan_masks
-from capture.inloop.enforce import EvictionState, LayerPlan
-from capture.inloop.prn_torch import layer_uniforms_torch
-from capture.models import rope_info
-from capture.runner import query_roles
-from capture.tasks import grade
-from tracesim.policies import LayerTrace, Policy
+from tracesim.layer_trace import LayerTrace
+from tracesim.policies import Policy
 from tracesim.replay.kept import event_inclusion, first_event_inclusion
 
 __all__ = ["Prefill", "decode_policy", "failure_label", "layer_plans", "prefill_sequence"]
@@ -41,7 +43,7 @@ __all__ = ["Prefill", "decode_policy", "failure_label", "layer_plans", "prefill_
 @dataclass
 class Prefill:
     """A prefilled prompt: the cache, the first-token logits and the layer traces; ``answer``
-    is the prompt's answer span (:func:`capture.inloop.answer.sequence_answer`), which the
+    is the prompt's answer span (:func:`tracesim.capture.inloop.answer.sequence_answer`), which the
     decodes from this prefill then report on (None: no span, null answer columns)."""
 
     cache: Any
@@ -113,7 +115,8 @@ def layer_plans(traces: list[LayerTrace], policy: Policy, seed: int) -> dict[int
     first decode step)."""
     plans: dict[int, LayerPlan] = {}
     if policy.schedule.per_step:
-        return plans  # drawn at every decode step (capture.inloop.perstep), none after prefill
+        # drawn at every decode step (tracesim.capture.inloop.perstep), none after prefill
+        return plans
     n_layers = len(traces)
     for trace in traces:
         pi, kept = first_event_inclusion(trace, policy, int(seed), n_layers,
@@ -161,11 +164,12 @@ class DecodeResult:
     # (step, layer, tracesim.tiers.step.StepFetch) of an in-loop fetch run
     fetch_log: list[tuple[int, int, Any]] = field(default_factory=list)
     # per-step designs: query position of every decode step, and (n_layers, n_kv) tokens of
-    # [0, t) attended at it (capture.inloop.perstep.PerStepState)
+    # [0, t) attended at it (tracesim.capture.inloop.perstep.PerStepState)
     step_positions: list[int] = field(default_factory=list)
     step_kept: list[np.ndarray] = field(default_factory=list)
     # with an answer span: (S, n_layers, n_kv, n) kept flags and inclusion probabilities of its
-    # tokens per decode step (capture.inloop.answer; pi None unless the design is randomized)
+    # tokens per decode step (tracesim.capture.inloop.answer; pi None unless the design is
+    # randomized)
     answer: AnswerSpan | None = None
     answer_kept: np.ndarray | None = None
     answer_pi: np.ndarray | None = None
@@ -179,10 +183,11 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
 
     With a decode-time ``policy`` (``schedule="decode:K"``) every layer is re-planned at each
     event from what exists then, with the nested rule (``kept while u < min pi``). With a
-    :class:`capture.inloop.fetch.FetchConfig` (one-shot plans only) every decode step and layer also
-    fetches evicted pages by that scheduler (:class:`capture.inloop.fetch.FetchState`). A
+    :class:`tracesim.capture.inloop.fetch.FetchConfig` (one-shot plans only) every decode step and
+    layer also
+    fetches evicted pages by that scheduler (:class:`tracesim.capture.inloop.fetch.FetchState`). A
     per-step ``policy`` (``schedule="step"``) draws every layer's kept set at every decode step
-    from that step's query (:class:`capture.inloop.perstep.PerStepState`; ``plans`` is then
+    from that step's query (:class:`tracesim.capture.inloop.perstep.PerStepState`; ``plans`` is then
     empty). ``one_pass=False`` runs SDPA and the two-pass certificates (the reference path).
     """
     P = prefill.prompt_length
@@ -209,7 +214,7 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
             raise ValueError("fetch: in-loop fetches need one-shot eviction (schedule: oneshot)")
         state = perstep.PerStepState(prefill, policy, seed, one_pass=one_pass)
     elif fetch is not None:
-        from capture.inloop.fetch import FetchState
+        from tracesim.capture.inloop.fetch import FetchState
 
         if replan is not None:
             raise ValueError("fetch: in-loop fetches need one-shot eviction (schedule: oneshot)")
@@ -282,9 +287,9 @@ def outcome_row(meta: dict[str, Any], policy: Policy, seed: int, result: DecodeR
                 tokenizer: Any, n_layers: int, *, n_kv: int | None = None,
                 head_dim: int | None = None, memory: Any = None) -> dict[str, Any]:
     """One outcomes row: answer, correctness, log-probs, certificate aggregates, memory, the
-    answer-span columns (:func:`capture.inloop.answer.answer_columns`, null unless the
+    answer-span columns (:func:`tracesim.capture.inloop.answer.answer_columns`, null unless the
     prefill had a span); with ``n_kv`` and ``head_dim`` also the per-step costs
-    (:func:`capture.inloop.perstep.step_columns`, ``memory`` a tiers memory model)."""
+    (:func:`tracesim.capture.inloop.perstep.step_columns`, ``memory`` a tiers memory model)."""
     gen = result.generated_ids
     answer_ids = gen[:-1] if result.stopped_on_eos else gen
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True) if tokenizer else ""

@@ -1,6 +1,7 @@
 """The ``tracesim evict`` subcommand: arguments, the grid file, fetch and peer options.
 
-Every input is checked here before :func:`capture.inloop.evict_run.run_evict` loads the model;
+Every input is checked here before :func:`tracesim.capture.inloop.evict_run.run_evict` loads the
+model;
 a bad value exits 2 naming the option or field (``docs/evict.md``).
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from capture.inloop.evict_run import _check_fetch, run_evict
+from tracesim.capture.inloop.evict_run import _check_fetch, run_evict
 
 __all__ = ["register"]
 
@@ -49,7 +50,7 @@ def _command(args: argparse.Namespace) -> int:
         _check_fetch(policies, fetch)
     peers = None
     if args.peer is not None or args.peer_params != "{}":
-        from capture.inloop.peers import peers_from_cli
+        from tracesim.capture.inloop.peers import peers_from_cli
 
         peers = peers_from_cli(args.peer, args.peer_params)
     sequences = (None if args.per_task is None else _first_per_task(args.traces, args.per_task))
@@ -113,7 +114,9 @@ def _fetch_configs(args: argparse.Namespace) -> list[Any] | None:
         except OSError as exc:
             raise UsageError(f"--tiers-spec {args.tiers_spec}: cannot read it "
                              f"({exc.strerror or exc}), expected a YAML file") from None
-    from capture.inloop.fetch import FetchConfig  # torch: imported once every input is checked
+    from tracesim.capture.inloop.fetch import (
+        FetchConfig,  # torch: imported once every input is checked
+    )
 
     configs = []
     for s in dict.fromkeys(scheds):

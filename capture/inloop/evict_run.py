@@ -97,18 +97,18 @@ def run_evict(
         Default: the full-cache run's number of generated tokens.
     layer_certificate : bool
         Also compute the per-layer output-space certificate at every decode step.
-    fetch : sequence of capture.inloop.fetch.FetchConfig, optional
+    fetch : sequence of tracesim.capture.inloop.fetch.FetchConfig, optional
         In-loop fetch configurations (scheduler, byte budget, memory model): every evicting
         policy and seed runs once per configuration, fetching evicted pages at every decode
         step and layer (docs/tiers.md, "In the loop"); policies that evict nothing run once,
         with null fetch columns. Needs one-shot policies.
     peers : sequence of tracesim.peers.Peer, optional
         Peers run in the loop besides the policies, each with its own estimator at every
-        decode step (:mod:`capture.inloop.peers`); randomized ones once per seed.
+        decode step (:mod:`tracesim.capture.inloop.peers`); randomized ones once per seed.
     """
     import pyarrow.parquet as pq
+    from tracesim.capture.models import LoadedModel, load_model, model_info
 
-    from capture.models import LoadedModel, load_model, model_info
     from tracesim.atomic import DirLock, atomic_files, remove_stale_tmp
     from tracesim.errors import check_int, check_out_dir
     from tracesim.integrity import results_record
@@ -193,17 +193,22 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tqdm.auto import tqdm
+    from tracesim.capture.inloop.answer import sequence_answer
+    from tracesim.capture.inloop.evict import (
+        decode_policy,
+        layer_plans,
+        outcome_row,
+        prefill_sequence,
+    )
+    from tracesim.capture.runner import eos_token_ids
 
-    from capture.inloop.answer import sequence_answer
-    from capture.inloop.evict import decode_policy, layer_plans, outcome_row, prefill_sequence
-    from capture.runner import eos_token_ids
     from tracesim.columns import describe_table, nullify_rows
 
     eos = set(eos_token_ids(loaded))
     runs = [(p, s, f) for p in policies for s in (seed_list if p.needs_seeds else [-1])
             for f in (fetch if fetch and p.score.evicts else [None])]
     if peers:
-        from capture.inloop.peers import PeerConfig
+        from tracesim.capture.inloop.peers import PeerConfig
 
         runs += [(PeerConfig(q), s, None) for q in peers
                  for s in (seed_list if q.randomized else [-1])]
@@ -236,8 +241,9 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
         rows = []
         for policy, seed, fc in runs:
             t0 = time.perf_counter()
-            if hasattr(policy, "peer"):  # a peer, with its own estimator (capture.inloop.peers)
-                from capture.inloop.peers import decode_peer, peer_step_columns
+            # a peer, with its own estimator (tracesim.capture.inloop.peers)
+            if hasattr(policy, "peer"):
+                from tracesim.capture.inloop.peers import decode_peer, peer_step_columns
 
                 res = decode_peer(loaded.model, pre, policy.peer, budget, eos, max(seed, 0))
                 row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers)
@@ -250,7 +256,7 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
                                   store.model.n_layers, n_kv=store.model.n_kv_heads,
                                   head_dim=store.model.head_dim)
             if fetch:
-                from capture.inloop.fetch import fetch_columns
+                from tracesim.capture.inloop.fetch import fetch_columns
 
                 row.update(fetch_columns(fc, res.fetch_log))
             row["decode_seconds"] = time.perf_counter() - t0

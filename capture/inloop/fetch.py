@@ -1,6 +1,7 @@
 """In-loop fetches: enforcing a tiers scheduler's page fetches inside the model.
 
-:class:`FetchState` is an :class:`~capture.inloop.enforce.EvictionState` that, at every decode
+:class:`FetchState` is an :class:`~tracesim.capture.inloop.enforce.EvictionState` that, at every
+decode
 step and
 layer, decides which evicted pages to bring back and then computes the step's attention with
 them. The decision uses what a server has at that step — the step's query, the retained cache,
@@ -13,7 +14,8 @@ base eviction.
 
 A step that fetches nothing runs exactly the plain eviction path (so a budget of 0, or the
 ``none`` scheduler, reproduces ``tracesim evict`` bit for bit); a step that fetches runs the
-one-pass attention (:func:`capture.inloop.onepass.onepass_attention`) with the modified bias, and
+one-pass attention (:func:`tracesim.capture.inloop.onepass.onepass_attention`) with the modified
+bias, and
 certificates (when the base policy has them) from the modified tail weights.
 """
 
@@ -25,9 +27,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from tracesim.capture.inloop.enforce import EvictionState, LayerPlan
+from tracesim.capture.inloop.onepass import onepass_attention
 
-from capture.inloop.enforce import EvictionState, LayerPlan
-from capture.inloop.onepass import onepass_attention
 from tracesim.tiers.model import MemoryModel
 from tracesim.tiers.step import (
     INLOOP_SCHEDULERS,

@@ -10,7 +10,8 @@ with ``p_i = exp(s_i - m)`` the unnormalized Hájek weights (logits ``s_i`` incl
 ``-log pi_i`` offset). With ``a_i = p_i / l`` and the output ``o = sum_i p_i v_i / l``, the
 primary certificate is then ``C^2 = (S2 - 2 o . S1 + ||o||^2 S0) / l^2``, the same number as the
 two-pass form ``sum_S (1 - pi_i) a_i^2 ||v_i - o||^2``
-(:func:`capture.inloop.enforce.serving_certificates`). When the running maximum grows from ``m`` to
+(:func:`tracesim.capture.inloop.enforce.serving_certificates`). When the running maximum grows from
+``m`` to
 ``m'`` the first-order sums are rescaled by ``alpha = exp(m - m')`` and the second-order ones by
 ``alpha^2``.
 

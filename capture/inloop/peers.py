@@ -4,7 +4,7 @@ A peer (:mod:`tracesim.peers`, ``docs/peers.md``) is not a policy: it picks its 
 head and attends with its own estimator (MagicPIG's ``-log(u + 1e-4)`` weights over its
 collision set, vAttention's draws with replacement, Quest's plain softmax over its pages), so
 it does not fit the per-KV-head bias plus Hájek offset of
-:class:`capture.inloop.enforce.EvictionState`. :class:`PeerState` therefore computes each
+:class:`tracesim.capture.inloop.enforce.EvictionState`. :class:`PeerState` therefore computes each
 decode step's attention output itself: for every query head it builds the
 :class:`tracesim.peers.StepInput` of that step (float64, the cache ``[0, t]`` with the current
 token) and returns the peer's own estimate (:meth:`tracesim.peers.Peer.attend`): the very
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from scipy import special
+from tracesim.capture.attention import CaptureState
 
-from capture.attention import CaptureState
 from tracesim.peers import Peer, StepInput
 
 __all__ = ["PeerConfig", "PeerState", "decode_peer", "peer_step_columns", "peers_from_cli",
@@ -173,12 +173,12 @@ def decode_peer(model: Any, prefill: Any, peer: Peer, max_new_tokens: int, eos_i
                 seed: int = 0) -> Any:
     """Greedy decode with ``peer`` attending at every decode step, then crop the cache back.
 
-    Returns a :class:`capture.inloop.evict.DecodeResult` (no certificates; ``kept_tokens``:
+    Returns a :class:`tracesim.capture.inloop.evict.DecodeResult` (no certificates; ``kept_tokens``:
     prompt tokens each KV head's query heads attend together, mean over steps).
     """
-    from capture.attention import recording
-    from capture.generate import decode_greedy
-    from capture.inloop.evict import DecodeResult, _restore
+    from tracesim.capture.attention import recording
+    from tracesim.capture.generate import decode_greedy
+    from tracesim.capture.inloop.evict import DecodeResult, _restore
 
     P = prefill.prompt_length
     state = PeerState(P, len(prefill.traces), peer, seed)
@@ -210,14 +210,16 @@ def _kv_union(kept: np.ndarray, n_kv: int) -> np.ndarray:
 
 def peer_step_columns(peer: Peer, result: Any, prompt_length: int, head_dim: int,
                       memory: Any = None) -> dict[str, float]:
-    """The ``step_*`` columns (:func:`capture.inloop.perstep.step_columns`) of a peer's run.
+    """The ``step_*`` columns (:func:`tracesim.capture.inloop.perstep.step_columns`) of a peer's
+    run.
 
     Per KV head the attended tokens are the union over its query heads; rows read from the
     lower tier are those less the peer's dense part (MagicPIG: sinks, the last ``local``
     prefill tokens and every generated one; vAttention: sinks and the last ``local``; Quest:
     none); the summary read every step is :func:`summary_bits` per cached token.
     """
-    from capture.inloop.perstep import STEP_COLUMNS
+    from tracesim.capture.inloop.perstep import STEP_COLUMNS
+
     from tracesim.tiers.model import MemoryModel
 
     memory = memory or MemoryModel()

@@ -10,7 +10,7 @@ kept set, with the step's fresh uniforms (or stream 0, per the schedule's coordi
 is nested: the whole cache stays in the lower tier, and a token one step drops may be read at
 the next. The kept set is enforced, with the Hájek offset ``-log pi`` and the serving-time
 certificates, exactly as the one-shot path enforces its plan
-(:class:`capture.inloop.enforce.EvictionState`).
+(:class:`tracesim.capture.inloop.enforce.EvictionState`).
 
 The prefill itself runs on the full cache (the first generated token is the same under every
 configuration); the first per-step draw is at the first decode step.
@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from tracesim.capture.attention import LayerRecord
+from tracesim.capture.inloop.enforce import EvictionState, LayerPlan
+from tracesim.capture.inloop.prn_torch import layer_uniforms_torch
 
-from capture.attention import LayerRecord
-from capture.inloop.enforce import EvictionState, LayerPlan
-from capture.inloop.prn_torch import layer_uniforms_torch
-from tracesim.policies import LayerTrace, Policy
+from tracesim.layer_trace import LayerTrace
+from tracesim.policies import Policy
 from tracesim.replay.kept import event_inclusion
 
 __all__ = ["STEP_COLUMNS", "PerStepState", "step_columns", "step_trace"]
@@ -82,7 +83,7 @@ class PerStepState(EvictionState):
 
     Parameters
     ----------
-    prefill : capture.inloop.evict.Prefill
+    prefill : tracesim.capture.inloop.evict.Prefill
         The shared prefill (its traces, prompt length and Gram matrices).
     policy : Policy
         A per-step policy (``policy.schedule.per_step``).
@@ -102,7 +103,8 @@ class PerStepState(EvictionState):
         Per decode step: the prompt tokens each KV head attends.
     answer_kept, answer_pi : list of ndarray, shape (n_layers, n_kv_heads, n)
         Per decode step, with an answer span on the prefill (``prefill.answer``, a
-        :class:`capture.inloop.answer.AnswerSpan` of ``n`` tokens): whether each span token is
+        :class:`tracesim.capture.inloop.answer.AnswerSpan` of ``n`` tokens): whether each span
+        token is
         attended (bool), and its inclusion probability (float64). Empty without a span.
     """
 
@@ -200,7 +202,7 @@ def step_columns(policy: Policy, result: Any, prompt_length: int, n_layers: int,
       summary of the ``t`` cached tokens (``t x proxy bits / 8``);
     * ``step_link_bytes``: ``step_rows_read x b``, the bytes over the link;
     * ``step_us``: modelled time of those transfers on the first lower tier, rows scattered
-      (one transfer each), as ``analysis.adaptive_costs`` models them (microseconds).
+      (one transfer each), as ``tracesim.analysis.adaptive_costs`` models them (microseconds).
 
     Every column is a mean over the run's decode steps (NaN when it has none).
     """

@@ -122,5 +122,5 @@ class Peer:
                ) -> tuple[dict, np.ndarray, np.ndarray]:
         """:meth:`step`'s row, the peer's own attention output (shape (d,)) and the tokens it
         attends (bool, shape (t + 1,)): what the in-loop run enforces
-        (``capture.inloop.peers``)."""
+        (``tracesim.capture.inloop.peers``)."""
         raise NotImplementedError

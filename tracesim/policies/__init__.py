@@ -30,8 +30,8 @@ from typing import Any
 
 from tracesim.budgets import Budget
 from tracesim.designs import Design, make_design
+from tracesim.layer_trace import LayerTrace
 from tracesim.policies.base import Score, take_all_mask
-from tracesim.policies.context import LayerTrace
 from tracesim.policies.equivalence import merge_score_free
 from tracesim.policies.full import FullScore
 from tracesim.policies.h2o import H2OScore

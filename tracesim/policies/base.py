@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from tracesim.policies.context import LayerTrace
+from tracesim.layer_trace import LayerTrace
 
 __all__ = ["Score", "take_all_mask"]
 

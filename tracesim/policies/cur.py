@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from tracesim.layer_trace import LayerTrace
 from tracesim.policies.base import Score
-from tracesim.policies.context import LayerTrace
 
 __all__ = ["CURScore", "local_normalize"]
 

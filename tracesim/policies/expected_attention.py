@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from tracesim.layer_trace import LayerTrace
 from tracesim.policies.base import Score
-from tracesim.policies.context import LayerTrace
 
 __all__ = ["ROPE_TYPES", "ExpectedAttentionScore", "average_rope", "expected_attention",
            "rope_inv_freq", "unrotate"]

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from tracesim.policies.context import LayerTrace
+from tracesim.layer_trace import LayerTrace
 from tracesim.policies.cur import CURScore
 from tracesim.policies.expected_attention import (
     ExpectedAttentionScore,

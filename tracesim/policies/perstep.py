@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from tracesim.layer_trace import LayerTrace
 from tracesim.policies.base import Score
-from tracesim.policies.context import LayerTrace
 from tracesim.proxies import make_proxy
 
 __all__ = ["GQA_AGGREGATIONS", "PerStepScore"]
@@ -40,7 +40,7 @@ class PerStepScore(Score):
     With ``gqa = "head"`` every query head draws its own sample at every step, with ``pi``
     from its own ``a~_{h,i}`` (the proxy still summarises the keys of its KV head ``h // G``).
     The engine replays such a policy on the layer's per-query-head view
-    (:meth:`~tracesim.policies.context.LayerTrace.per_query_head`: ``n_kv = n_heads``), so
+    (:meth:`~tracesim.layer_trace.LayerTrace.per_query_head`: ``n_kv = n_heads``), so
     :meth:`scores` is called with ``kv_head = h`` and the random numbers' head coordinate is
     the query head; kept tokens, budgets and rows read are then per query head (a KV head's
     group reads the sum of its ``G`` heads' rows). ``deployable`` is the proxy's: nothing a

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 if TYPE_CHECKING:  # the policies import the proxies, not the other way round
-    from tracesim.policies.context import LayerTrace
+    from tracesim.layer_trace import LayerTrace
 
 
 __all__ = ["Proxy"]

@@ -10,7 +10,7 @@ import numpy as np
 from tracesim.proxies.base import Proxy
 
 if TYPE_CHECKING:  # the policies import the proxies, not the other way round
-    from tracesim.policies.context import LayerTrace
+    from tracesim.layer_trace import LayerTrace
 
 __all__ = ["QuantProxy", "quantise_keys"]
 

@@ -12,7 +12,7 @@ from tracesim.prn import STREAM_HASH, permanent_uniforms
 from tracesim.proxies.base import Proxy
 
 if TYPE_CHECKING:  # the policies import the proxies, not the other way round
-    from tracesim.policies.context import LayerTrace
+    from tracesim.layer_trace import LayerTrace
 
 __all__ = ["MAX_HASH_BITS", "SimHashProxy", "hyperplanes"]
 

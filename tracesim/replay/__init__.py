@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from tracesim.policies import LayerTrace, Policy
+from tracesim.layer_trace import LayerTrace
+from tracesim.policies import Policy
 from tracesim.replay.engine import (
     OUTPUT_CHECK_TOLERANCE,
     LayerResult,

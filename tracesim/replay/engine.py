@@ -42,7 +42,8 @@ from tracesim.kernels.replay_operands import (
     OutputSpace,
     ReplayOutputs,
 )
-from tracesim.policies import LayerTrace, Policy
+from tracesim.layer_trace import LayerTrace
+from tracesim.policies import Policy
 from tracesim.replay.inclusion import InclusionTables, build_inclusion, seed_uniforms
 from tracesim.replay.output_space import (  # noqa: F401  (GramBlocks & co. were defined here)
     LAYER_ERROR_BLOCK,

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tracesim.designs import Design
-from tracesim.policies import LayerTrace, Policy
+from tracesim.layer_trace import LayerTrace
+from tracesim.policies import Policy
 from tracesim.prn import permanent_uniforms, step_stream, uniform_grid
 from tracesim.schedules import event_of_queries, nested_inclusion
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracesim.policies import LayerTrace, Policy
+from tracesim.layer_trace import LayerTrace
+from tracesim.policies import Policy
 from tracesim.replay.inclusion import fixed_kept, fresh_uniforms, seed_uniforms, slot_events
 
 __all__ = ["event_inclusion", "first_event_inclusion"]

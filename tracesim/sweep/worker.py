@@ -64,7 +64,7 @@ def threads_limited(threads: int):
 
 def _synthetic_trace(seed: int = 0):
     """A tiny float64 layer (2 heads, 1 KV head, d=8, 64 positions, 8 decode queries)."""
-    from tracesim.policies import LayerTrace
+    from tracesim.layer_trace import LayerTrace
 
     rng = np.random.default_rng(seed)
     H, d, P, prompt = 2, 8, 64, 56

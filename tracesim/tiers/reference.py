@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from tracesim.bounds.pages import build_page_summaries, logit_upper_bounds
-from tracesim.policies import LayerTrace, Policy
+from tracesim.layer_trace import LayerTrace
+from tracesim.policies import Policy
 from tracesim.replay.kept import event_inclusion
 from tracesim.tiers.model import MemoryModel
 from tracesim.tiers.schedulers import (

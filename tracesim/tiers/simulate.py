@@ -28,7 +28,8 @@ import numpy as np
 from tracesim.kernels.bounds import build_pages
 from tracesim.kernels.replay_events import check_logit_span
 from tracesim.kernels.tiers import Attention, Inclusion, Pages, tiers_layer
-from tracesim.policies import LayerTrace, Policy
+from tracesim.layer_trace import LayerTrace
+from tracesim.policies import Policy
 from tracesim.prn import permanent_uniforms
 from tracesim.replay.engine import evaluated_queries
 from tracesim.replay.kept import event_inclusion

@@ -2,7 +2,7 @@
 
 The offline simulator (:mod:`tracesim.tiers.simulate`) evaluates every scheduler and budget at
 once over a stored layer. The in-loop fetch (``tracesim evict --fetch``,
-:mod:`capture.inloop.fetch`)
+:mod:`tracesim.capture.inloop.fetch`)
 needs the same decision one step at a time, inside the model, for the scheduler it enforces.
 It runs the simulator's own compiled step (:func:`tracesim.kernels.tiers.tiers_layer`, with
 the step's query as the only query) over the run's cache, so the two apply one set of rules

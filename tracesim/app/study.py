@@ -25,7 +25,7 @@ import yaml
 
 __all__ = ["CAPTURES", "SPECS", "run_calibration_study", "study_spec"]
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 #: (store name, tasks, instances per task, prompt length in tokens)
 CAPTURES: tuple[tuple[str, tuple[str, ...], int, int], ...] = (
     ("t1k", ("passkey", "multikey"), 16, 1024),
@@ -54,9 +54,9 @@ def study_spec(name: str, out: Path, traces: Path) -> dict[str, Any]:
 def run_calibration_study(out: str | Path = "demo/calibration", *, workers: int | None = None,
                           model: str = "smollm2", allow_prereg_change: bool = False) -> Path:
     """Run every stage; return the path of the report's ``report.html``."""
-    from analysis.frontier_cli import run_frontier
-    from analysis.report import build_report, write_report
-    from capture.runner import run_capture
+    from tracesim.analysis.frontier_cli import run_frontier
+    from tracesim.analysis.report import build_report, write_report
+    from tracesim.capture.runner import run_capture
     from tracesim.sweep import run_sweep
 
     out = Path(out)

@@ -4,8 +4,8 @@
 fixed width (the formatter and the lint of the help texts are :mod:`tracesim.cli_help`);
 regenerate it with::
 
-    python -m tracesim.cli_docs            # writes docs/cli.md
-    python -m tracesim.cli_docs --check    # exit 1 if docs/cli.md is out of date
+    python -m tracesim.app.cli_docs            # writes docs/cli.md
+    python -m tracesim.app.cli_docs --check    # exit 1 if docs/cli.md is out of date
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tracesim.cli import build_parser
+from tracesim.app.cli import build_parser
 from tracesim.cli_help import iter_parsers
 
 __all__ = ["COLUMNS", "DOC_PATH", "REGENERATE", "main", "render_markdown"]
 
 #: Terminal width used for ``docs/cli.md`` (argparse reads ``COLUMNS``).
 COLUMNS = 100
-DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
-REGENERATE = "python -m tracesim.cli_docs"
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+REGENERATE = "python -m tracesim.app.cli_docs"
 
 
 @contextlib.contextmanager
@@ -65,7 +65,7 @@ def render_markdown(width: int = COLUMNS) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write ``docs/cli.md`` (or, with ``--check``, exit 1 when it is out of date)."""
-    ap = argparse.ArgumentParser(prog="python -m tracesim.cli_docs",
+    ap = argparse.ArgumentParser(prog="python -m tracesim.app.cli_docs",
                                  description="Generate docs/cli.md from the parsers.")
     ap.add_argument("--check", action="store_true",
                     help="compare instead of writing; exit 1 if docs/cli.md is out of date")

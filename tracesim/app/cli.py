@@ -22,15 +22,15 @@ from tracesim.cli_help import Parser
 
 # Modules whose ``register`` adds a subcommand, in ``tracesim --help`` order.
 _SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "capture.cli",
+    "tracesim.capture.cli",
     "tracesim.store.cli",
     "tracesim.replay.cli",
     "tracesim.sweep.cli",
     "tracesim.adversary",
-    "capture.inloop.evict_cli",
-    "analysis.cli",
-    "analysis.frontier_cli",
-    "tracesim.demo",
+    "tracesim.capture.inloop.evict_cli",
+    "tracesim.analysis.cli",
+    "tracesim.analysis.frontier_cli",
+    "tracesim.app.demo",
     "tracesim.synth.cli",
     "tracesim.export",
     "tracesim.tiers.cli",
@@ -39,8 +39,8 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
 
 # module -> (subcommand, help line of ``tracesim --help``): these modules load lazily.
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "capture.cli": ("capture", "record attention traces of a model on generated long-context "
-                    "tasks"),
+    "tracesim.capture.cli": ("capture", "record attention traces of a model on generated "
+                             "long-context tasks"),
     "tracesim.store.cli": ("validate", "check a trace store (schema, shapes, checksums, "
                            "NaN/Inf, boundaries)"),
     "tracesim.replay.cli": ("replay", "replay eviction policies over a trace store (Parquet "
@@ -48,11 +48,11 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "tracesim.sweep.cli": ("sweep", "run a declarative sweep (YAML spec) locally or on Dask; "
                            "resumable"),
     "tracesim.adversary": ("adversary", "claim C0: perturb evicted values; top-k cannot see it"),
-    "capture.inloop.evict_cli": ("evict", "run eviction policies inside the model and record "
-                          "end-to-end outcomes"),
-    "analysis.cli": ("report", "evaluate the pre-registered claims; write the report (Markdown "
-                     "+ standalone HTML)"),
-    "tracesim.demo": ("demo", "the main job: capture -> sweep -> evict -> report"),
+    "tracesim.capture.inloop.evict_cli": ("evict", "run eviction policies inside the model and "
+                                          "record end-to-end outcomes"),
+    "tracesim.analysis.cli": ("report", "evaluate the pre-registered claims; write the report "
+                              "(Markdown + standalone HTML)"),
+    "tracesim.app.demo": ("demo", "the main job: capture -> sweep -> evict -> report"),
     "tracesim.synth.cli": ("synth", "write a synthetic trace store (sinks, local window, heavy "
                            "hitters, retrieval heads)"),
     "tracesim.export": ("export", "export results as CSV or a hive-partitioned Parquet dataset"),
@@ -60,8 +60,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
                            "tiers"),
     "tracesim.peers.cli": ("peers", "replay MagicPIG, vAttention and Quest as their reference "
                            "code defines them (Parquet results)"),
-    "analysis.frontier_cli": ("frontier", "coverage / certified share / error / memory frontier "
-                              "per policy and certificate variant (frontier.parquet, .md, .png)"),
+    "tracesim.analysis.frontier_cli": ("frontier", "coverage / certified share / error / memory "
+                                       "frontier per policy and certificate variant "
+                                       "(frontier.parquet, .md, .png)"),
 }
 
 

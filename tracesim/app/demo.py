@@ -86,17 +86,17 @@ def evict_grid(scale: DemoScale) -> dict[str, Any]:
 def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | None = None,
              model: str = "smollm2", allow_prereg_change: bool = False) -> Path:
     """Run every stage; return the path of ``report.html``."""
-    from analysis.report import build_report, write_report
-    from capture.inloop.evict_run import run_evict
-    from capture.runner import accuracy_table, run_capture
     from tracesim.adversary import impossibility_demo
+    from tracesim.analysis.report import build_report, write_report
+    from tracesim.capture.inloop.evict_run import run_evict
+    from tracesim.capture.runner import accuracy_table, run_capture
     from tracesim.policies.grid import parse_grid
     from tracesim.replay import load_layer
     from tracesim.store import open_store
     from tracesim.sweep import run_sweep
 
     if scale == "calibration":
-        from tracesim.study import run_calibration_study
+        from tracesim.app.study import run_calibration_study
 
         return run_calibration_study(out, workers=workers, model=model,
                                      allow_prereg_change=allow_prereg_change)
@@ -107,7 +107,7 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
 
     out = check_output(out)  # an empty --out would be the working directory
     out.mkdir(parents=True, exist_ok=True)
-    prereg = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
+    prereg = Path(__file__).resolve().parents[2] / "data" / "prereg.yaml"
     prereg = prereg if prereg.is_file() else None
     traces, results, outcomes, report_dir = (out / "traces", out / "sweep", out / "outcomes",
                                              out / "report")
@@ -165,7 +165,7 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
 
 
 def _command(args: argparse.Namespace) -> int:
-    from analysis.prereg import PreregChangedError
+    from tracesim.analysis.prereg import PreregChangedError
 
     try:
         run_demo(args.out, args.scale, workers=args.workers, model=args.model,
