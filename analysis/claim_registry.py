@@ -4,9 +4,11 @@ The pre-registration (:func:`tracesim.analysis.prereg.load_prereg`: which ids mu
 their own field checks), the claims table of the report (:func:`claims_table`: what each
 estimate measures) and the report (:func:`tracesim.analysis.report.build_report`: what to evaluate,
 on
-which inputs) all loop over :func:`registered_claims`. A new claim is one entry: in
-:data:`BUILTIN_CLAIMS` for the project's own, or one :func:`register_claim` call for a claim
-defined outside the package (``docs/extending.md``).
+which inputs) all loop over :func:`registered_claims`. The table is
+:data:`tracesim.registry.CLAIM_REGISTRY`. A new claim is one entry: in :data:`BUILTIN_CLAIMS`
+for the project's own; for a claim defined outside the package, a :class:`Claim` declared under
+the entry-point group ``tracesim.claims`` (every process finds it: ``tracesim report``, a Dask
+worker) or one :func:`register_claim` call for this process (``docs/extending.md``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from tracesim.analysis.claims_replay import (
     c7_claim,
     check_c1,
 )
+
+from tracesim.registry import CLAIM_REGISTRY
 
 __all__ = ["BUILTIN_CLAIMS", "claim_ids", "claim_units", "claims_table", "register_claim",
            "registered_claims", "unregister_claim"]
@@ -62,7 +66,7 @@ BUILTIN_CLAIMS: tuple[Claim, ...] = (
 )
 
 _ID = re.compile(r"C(0|[1-9][0-9]*)")
-_REGISTERED: dict[str, Claim] = {c.id: c for c in BUILTIN_CLAIMS}
+CLAIM_REGISTRY.install({c.id: c for c in BUILTIN_CLAIMS}, Claim)
 
 
 def _number(claim_id: str) -> int:
@@ -87,27 +91,47 @@ def register_claim(claim: Claim) -> Claim:
                          f"{claim!r}")
     if not _ID.fullmatch(claim.id):
         raise ValueError(f"claim id {claim.id!r}: expected C and a number, e.g. C11")
-    if claim.id in _REGISTERED:
+    if claim.id in CLAIM_REGISTRY.builtins or claim.id in CLAIM_REGISTRY.registered:
         raise ValueError(f"claim {claim.id} is already registered")
+    _check_needs(claim)
+    return CLAIM_REGISTRY.register(claim)
+
+
+def _check_needs(claim: Claim) -> None:
     unknown = [n for n in claim.needs if n not in INPUT_MISSING]
     if unknown:
         raise ValueError(f"claim {claim.id}: needs {unknown}, expected inputs among "
                          f"{list(INPUT_MISSING)}")
-    _REGISTERED[claim.id] = claim
-    return claim
 
 
 def unregister_claim(claim_id: str) -> None:
     """Remove a claim added by :func:`register_claim` (the built-in claims stay)."""
-    if any(c.id == claim_id for c in BUILTIN_CLAIMS):
+    if claim_id in CLAIM_REGISTRY.builtins:
         raise ValueError(f"claim {claim_id} is built in; it cannot be unregistered")
-    if _REGISTERED.pop(claim_id, None) is None:
+    if claim_id not in CLAIM_REGISTRY.registered:
         raise ValueError(f"claim {claim_id} is not registered")
+    CLAIM_REGISTRY.unregister(claim_id)
 
 
 def registered_claims() -> list[Claim]:
-    """Every registered claim, in id order (C0, C1, ..., C10, C11, ...)."""
-    return sorted(_REGISTERED.values(), key=lambda c: _number(c.id))
+    """Every claim of the table (built-ins, :func:`register_claim` registrations and the
+    ``tracesim.claims`` entry points, each loaded), in id order (C0, C1, ..., C10, C11, ...).
+
+    Raises
+    ------
+    ValueError
+        When an entry point fails to import, is not a :class:`Claim` whose id is its entry-point
+        name (``C`` and a number), or needs an input the report does not have.
+    """
+    out = []
+    for claim_id in CLAIM_REGISTRY.names():
+        if not _ID.fullmatch(claim_id):
+            raise ValueError(f"claim plugin {claim_id!r}: expected an id C and a number, "
+                             "e.g. C11")
+        claim = CLAIM_REGISTRY[claim_id]
+        _check_needs(claim)
+        out.append(claim)
+    return sorted(out, key=lambda c: _number(c.id))
 
 
 def claim_ids() -> list[str]:
@@ -117,7 +141,7 @@ def claim_ids() -> list[str]:
 
 def claim_units(claim_id: str) -> str:
     """What the claim's estimate measures, in its units ("" for an unknown id)."""
-    claim = _REGISTERED.get(claim_id)
+    claim = CLAIM_REGISTRY.get(claim_id)
     return claim.units if claim is not None else ""
 
 

@@ -42,6 +42,9 @@ from tracesim.analysis.prereg import Preregistration, check_prereg_hash, load_pr
 from tracesim.analysis.provenance import Provenance, collect_provenance
 from tracesim.analysis.results_io import _read_json, load_outcomes, load_peers, load_results
 
+from tracesim.plugins import provenance
+from tracesim.registry import CLAIM_REGISTRY
+
 __all__ = ["Report", "build_report", "load_results", "write_report"]
 
 
@@ -175,6 +178,8 @@ def _evaluate(inputs: ClaimInputs) -> dict[str, ClaimResult]:
         out[claim.id] = (ClaimResult(claim.id, inputs.hypothesis(claim.id),
                                      detail=INPUT_MISSING[lacking[0]]) if lacking
                          else claim.evaluate(inputs))
+        if CLAIM_REGISTRY.is_plugin(claim.id):  # which code made the row (claims.json)
+            out[claim.id].extra["plugin"] = provenance("claim", claim.id, as_loaded=True)
     return out
 
 

@@ -77,7 +77,7 @@ SAME_FETCHES = ("err2_before", "err2_after", "cert2", "bytes_moved", "kv_bytes_m
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     """Import the plugin module from a directory outside the package; forget it afterwards."""
-    monkeypatch.setattr(sch, "_REGISTERED", {})
+    monkeypatch.setattr(sch.SCHEDULER_REGISTRY, "registered", {})
     (tmp_path / "plugin_src").mkdir()
     (tmp_path / "plugin_src" / "my_fetch_rules.py").write_text(textwrap.dedent(PLUGIN))
     monkeypatch.syspath_prepend(str(tmp_path / "plugin_src"))
@@ -127,7 +127,7 @@ def test_the_table_lists_every_builtin_with_its_flags():
 
 
 def test_a_scheduler_needs_a_valid_name_and_rules(monkeypatch):
-    monkeypatch.setattr(sch, "_REGISTERED", {})
+    monkeypatch.setattr(sch.SCHEDULER_REGISTRY, "registered", {})
     with pytest.raises(ValueError, match="name"):
         Scheduler("Not A Name", sch.PageInputs, sch.PageInputs)
     with pytest.raises(ValueError, match="reference"):
@@ -193,7 +193,7 @@ def test_the_documented_scheduler_runs_and_matches_its_numpy_rule(tmp_path, monk
     doc = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
     section = doc.split("## A new fetch scheduler", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    monkeypatch.setattr(sch, "_REGISTERED", {})
+    monkeypatch.setattr(sch.SCHEDULER_REGISTRY, "registered", {})
     (tmp_path / "my_fetch_rules.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "my_fetch_rules", raising=False)

@@ -1,19 +1,22 @@
-"""The registries of scores, designs and proxies: built-ins, aliases, plugins.
+"""The registries of scores, designs, proxies, fetch schedulers and claims: built-ins, plugins.
 
 This module is the ground floor of the component packages: of tracesim it imports only the
 leaf :mod:`tracesim.provenance` (source digests), and :mod:`tracesim.policies`,
 :mod:`tracesim.designs`, :mod:`tracesim.proxies` and :mod:`tracesim.plugins` import it.
-Each package hands its built-in classes and its base class to its registry when it is imported
-(:meth:`Registry.install`); a plugin class subclasses that base, so the built-ins are always
-installed by the time a plugin is registered or looked up.
+Each package hands its built-ins and its base class to its registry when it is imported
+(:meth:`Registry.install`); a plugin subclasses that base (scores, designs, proxies) or is an
+instance of it (a :class:`~tracesim.tiers.Scheduler`, a :class:`~tracesim.analysis.claims.Claim`),
+so the built-ins are always installed by the time a plugin is registered or looked up.
 
 A plugin is found in one of two ways (``docs/extending.md``):
 
 - an installed distribution that declares it under the entry-point group of its kind
-  (:data:`SCORE_GROUP`, :data:`DESIGN_GROUP`, :data:`PROXY_GROUP`), loaded when its name is
-  first looked up: every process that can import the distribution finds it;
+  (:data:`SCORE_GROUP`, :data:`DESIGN_GROUP`, :data:`PROXY_GROUP`, :data:`SCHEDULER_GROUP`,
+  :data:`CLAIM_GROUP`), loaded when its name is first looked up: every process that can import
+  the distribution finds it;
 - :func:`register_score` / :func:`register_design` / :func:`register_proxy` (class decorators
-  or plain calls), for the current process only.
+  or plain calls), :func:`tracesim.tiers.register_scheduler` and
+  :func:`tracesim.analysis.claim_registry.register_claim`, for the current process only.
 """
 
 from __future__ import annotations
@@ -22,25 +25,29 @@ import hashlib
 import importlib.metadata as md
 import inspect
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tracesim.provenance import source_digest
 
-__all__ = ["DESIGN_GROUP", "DESIGN_REGISTRY", "PROXY_GROUP", "PROXY_REGISTRY", "Registry",
-           "SCORE_GROUP", "SCORE_REGISTRY", "dist_name", "register_design", "register_proxy",
+__all__ = ["CLAIM_GROUP", "CLAIM_REGISTRY", "DESIGN_GROUP", "DESIGN_REGISTRY", "PROXY_GROUP",
+           "PROXY_REGISTRY", "Registry", "SCHEDULER_GROUP", "SCHEDULER_REGISTRY", "SCORE_GROUP",
+           "SCORE_REGISTRY", "dist_name", "functions_hash", "register_design", "register_proxy",
            "register_score", "source_hash"]
 
 SCORE_GROUP = "tracesim.scores"
 DESIGN_GROUP = "tracesim.designs"
 PROXY_GROUP = "tracesim.proxies"
+SCHEDULER_GROUP = "tracesim.schedulers"
+CLAIM_GROUP = "tracesim.claims"
 
 T = TypeVar("T", bound=type)
 
 
 class Registry(Mapping):
-    """Name -> class of one kind (scores, designs or proxies): built-ins, aliases, plugins.
+    """Name -> entry of one kind (a class, or for schedulers and claims an instance): built-ins,
+    aliases, plugins.
 
     Iteration lists canonical names only (built-ins, decorator registrations and entry points);
     aliases resolve on lookup. Entry points are loaded lazily, when their name is first looked up.
@@ -48,13 +55,24 @@ class Registry(Mapping):
     Parameters
     ----------
     kind : str
-        ``"score"``, ``"design"`` or ``"proxy"`` (messages).
+        ``"score"``, ``"design"``, ``"proxy"``, ``"scheduler"`` or ``"claim"`` (messages).
     group : str
         Entry-point group.
+    instances : bool, default False
+        Entries are instances of the base class (a :class:`~tracesim.tiers.Scheduler`, a
+        claim), not subclasses of it.
+    key : str, default "name"
+        The entry's attribute that must equal its registry name (``"id"`` for claims).
+    digest : callable, optional
+        ``digest(entry) -> "sha256:..."`` of the source an entry runs (default
+        :func:`source_hash` of the class; schedulers and claims hash their functions).
     """
 
-    def __init__(self, kind: str, group: str) -> None:
+    def __init__(self, kind: str, group: str, *, instances: bool = False, key: str = "name",
+                 digest: Callable[[Any], str] | None = None) -> None:
         self.kind, self.group = kind, group
+        self.instances, self.key = instances, key
+        self._digest = digest
         #: the built-in classes by name, handed over by the owning package (:meth:`install`)
         self.builtins: dict[str, type] = {}
         #: base class every plugin must subclass (set by :meth:`install`)
@@ -64,6 +82,10 @@ class Registry(Mapping):
         self._loaded: dict[str, type] = {}
         #: source hash of each plugin as it was when this process loaded / registered it
         self.loaded_hash: dict[str, str] = {}
+
+    def digest(self, entry: Any) -> str:
+        """``sha256:...`` of the source files an entry runs, as they are on disk now."""
+        return (self._digest or source_hash)(entry)
 
     def install(self, builtins: dict[str, type], base: type) -> None:
         """Take the owning package's built-ins (not copied: later additions are seen) and base.
@@ -99,7 +121,7 @@ class Registry(Mapping):
                              f"{type(exc).__name__}: {exc}") from None
         self._check(name, cls, f"entry point {ep.value!r}")
         self._loaded[name] = cls
-        self.loaded_hash[name] = source_hash(cls)
+        self.loaded_hash[name] = self.digest(cls)
         return cls
 
     def _check(self, name: str, cls: Any, where: str) -> None:
@@ -107,12 +129,17 @@ class Registry(Mapping):
         if base is None:  # only reachable when the owning package was never imported
             raise ValueError(f"{self.kind} plugin {name!r} ({where}): the {self.kind} registry "
                              "has no base class yet; import the package that defines it first")
-        if not (isinstance(cls, type) and issubclass(cls, base)):
+        if self.instances:
+            if not isinstance(cls, base):
+                raise ValueError(f"{self.kind} plugin {name!r} ({where}) is not an instance "
+                                 f"of {base.__module__}.{base.__name__}")
+        elif not (isinstance(cls, type) and issubclass(cls, base)):
             raise ValueError(f"{self.kind} plugin {name!r} ({where}) is not a subclass of "
                              f"{base.__module__}.{base.__name__}")
-        if getattr(cls, "name", None) != name:
-            raise ValueError(f"{self.kind} plugin {name!r} ({where}): its class attribute "
-                             f"name is {getattr(cls, 'name', None)!r}, expected {name!r}")
+        if getattr(cls, self.key, None) != name:
+            raise ValueError(f"{self.kind} plugin {name!r} ({where}): its attribute "
+                             f"{self.key} is {getattr(cls, self.key, None)!r}, expected "
+                             f"{name!r}")
 
     # -- mapping ---------------------------------------------------------------------------
     def canonical(self, name: str) -> tuple[str, dict[str, Any]]:
@@ -158,18 +185,24 @@ class Registry(Mapping):
         """Whether ``name`` (canonical) is not a built-in."""
         return self.canonical(name)[0] not in self.builtins
 
-    def register(self, cls: T, name: str | None = None) -> T:
-        """Register ``cls`` under ``name`` (default ``cls.name``) for this process."""
-        name = name or getattr(cls, "name", None)
+    def register(self, cls: Any, name: str | None = None) -> Any:
+        """Register ``cls`` under ``name`` (default its ``name``, or ``id`` for claims) for
+        this process; registering a name again replaces the earlier entry."""
+        name = name or getattr(cls, self.key, None)
         if not isinstance(name, str) or not name:
-            raise ValueError(f"cannot register {cls!r}: give it a class attribute 'name'")
+            raise ValueError(f"cannot register {cls!r}: give it an attribute {self.key!r}")
         if name in self.builtins or name in self.aliases:
             raise ValueError(f"{self.kind} name {name!r} is taken by a built-in or an alias; "
                              "choose another name")
         self._check(name, cls, "decorator")
         self.registered[name] = cls
-        self.loaded_hash[name] = source_hash(cls)
+        self.loaded_hash[name] = self.digest(cls)
         return cls
+
+    def unregister(self, name: str) -> None:
+        """Forget an in-process registration (``KeyError`` when there is none)."""
+        del self.registered[name]
+        self.loaded_hash.pop(name, None)
 
     def build(self, name: str, params: dict[str, Any]) -> Any:
         """``cls(**{**alias presets, **params})`` with errors naming the kind and the choices."""
@@ -191,6 +224,25 @@ SCORE_REGISTRY = Registry("score", SCORE_GROUP)
 DESIGN_REGISTRY = Registry("design", DESIGN_GROUP)
 #: Per-step designs' query proxies (:class:`tracesim.proxies.Proxy`): built-ins and plugins.
 PROXY_REGISTRY = Registry("proxy", PROXY_GROUP)
+
+
+def functions_hash(*functions: Any) -> str:
+    """``sha256:<hex>`` of the source files defining some functions (one hash when they share
+    their package, else the hashes joined by ``+``); a numba dispatcher is read through
+    ``py_func``."""
+    parts = list(dict.fromkeys(source_hash(getattr(f, "py_func", f)) for f in functions
+                               if f is not None))
+    return "+".join(parts)
+
+
+#: Fetch schedulers of ``tracesim tiers`` (:class:`tracesim.tiers.Scheduler` instances): the
+#: built-ins and plugins; an entry's source is that of its two priority rules.
+SCHEDULER_REGISTRY = Registry("scheduler", SCHEDULER_GROUP, instances=True,
+                              digest=lambda s: functions_hash(s.priority, s.reference))
+#: Claims of the report (:class:`tracesim.analysis.claims.Claim` instances, by id): the
+#: built-ins and plugins; an entry's source is that of its ``evaluate`` and ``check``.
+CLAIM_REGISTRY = Registry("claim", CLAIM_GROUP, instances=True, key="id",
+                          digest=lambda c: functions_hash(c.evaluate, c.check))
 
 
 def register_score(cls: T | None = None, *, name: str | None = None) -> Any:

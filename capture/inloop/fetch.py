@@ -31,10 +31,11 @@ from tracesim.capture.inloop.enforce import EvictionState, LayerPlan
 from tracesim.capture.inloop.onepass import onepass_attention
 
 from tracesim.tiers.model import MemoryModel
+from tracesim.tiers.schedulers import get_scheduler, scheduler_names
 from tracesim.tiers.step import (
-    INLOOP_SCHEDULERS,
     LayerFetch,
     StepFetch,
+    inloop_schedulers,
     layer_fetch,
     layer_memory_model,
     step_fetch,
@@ -50,7 +51,8 @@ class FetchConfig:
     Parameters
     ----------
     scheduler : str
-        One of :data:`tracesim.tiers.step.INLOOP_SCHEDULERS`.
+        One of :func:`tracesim.tiers.step.inloop_schedulers`: a built-in, or a plugin
+        scheduler (entry point or :func:`tracesim.tiers.register_scheduler`) with ``in_loop``.
     budget : float
         Bytes fetched per (decode step, layer), as a fraction in [0, 1] of the layer's evicted
         bytes; 1 fetches every evicted page.
@@ -63,9 +65,10 @@ class FetchConfig:
     memory: MemoryModel = MemoryModel()
 
     def __post_init__(self) -> None:
-        if self.scheduler not in INLOOP_SCHEDULERS:
+        # a known name is loaded (a broken plugin raises its own error), an unknown one is not
+        if not (self.scheduler in scheduler_names() and get_scheduler(self.scheduler).in_loop):
             raise ValueError(f"--fetch: unknown scheduler {self.scheduler!r}; expected some of "
-                             f"{list(INLOOP_SCHEDULERS)}"
+                             f"{list(inloop_schedulers())}"
                              + (" (confidence is offline only: its per-step budgets are "
                                 "normalised over the whole sequence's log-probs)"
                                 if self.scheduler == "confidence" else ""))

@@ -26,7 +26,7 @@ from tracesim.columns import to_arrow
 from tracesim.integrity import file_sha256
 from tracesim.policies import Policy
 from tracesim.replay import load_layer
-from tracesim.tiers.schedulers import BUILTIN_SCHEDULERS, get_scheduler
+from tracesim.tiers.schedulers import get_scheduler, in_process_schedulers
 from tracesim.tiers.simulate import simulate_layer
 from tracesim.tiers.spec import TiersSpec, parse_tiers_spec, seeds_array
 
@@ -136,11 +136,16 @@ def compute_part(spec: TiersSpec, store: Any, sid: str, policy: Policy, path: Pa
 
 
 def _dask_part(raw: dict, source: str, store_path: str, sid: str, policy_json: str,
-               path: str) -> int:
-    """Worker side of the Dask backend: rebuild spec, store and policy from plain data."""
+               path: str, spec_hash: str) -> int:
+    """Worker side of the Dask backend: rebuild spec, store and policy from plain data; refuse
+    when the worker's plugin schedulers differ from the driver's (``spec_hash``)."""
     from tracesim.store import open_store
 
     spec = parse_tiers_spec(raw, source)
+    if spec.spec_hash != spec_hash:
+        raise RuntimeError(f"tiers worker: the spec hashes to {spec.spec_hash[:12]} here but "
+                           f"{spec_hash[:12]} on the driver: a plugin scheduler differs "
+                           "between the two (install the same version everywhere)")
     policy = Policy.from_dict(json.loads(policy_json))
     return compute_part(spec, open_store(store_path), sid, policy, Path(path))
 
@@ -171,10 +176,11 @@ def run_tiers(spec: TiersSpec, store: Any, out: str | os.PathLike, *,
     """
     if backend not in ("local", "dask"):
         raise ValueError(f"backend = {backend!r}: expected 'local' or 'dask'")
-    registered = [s for s in spec.schedulers if s not in BUILTIN_SCHEDULERS]
+    registered = in_process_schedulers(spec.schedulers)
     if backend == "dask" and registered:
         raise ValueError(f"schedulers {registered} are registered in this process only "
-                         "(register_scheduler); Dask workers are other processes: use the "
+                         "(register_scheduler); Dask workers are other processes: declare "
+                         "them under the entry-point group tracesim.schedulers, or use the "
                          "local backend")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -254,7 +260,8 @@ def _run_dask(spec: TiersSpec, store_path: str, todo: list, workers: int,
         futures, meta = [], {}
         for sid, policy, path in todo:
             fut = client.submit(_dask_part, spec.raw, "tiers spec", store_path, sid,
-                                policy.to_json(), str(path), pure=False, retries=1)
+                                policy.to_json(), str(path), spec.spec_hash, pure=False,
+                                retries=1)
             futures.append(fut)
             meta[fut.key] = (sid, policy)
         for fut in as_completed(futures):

@@ -1,7 +1,10 @@
 """Fetch schedulers: which evicted pages to bring back at one decode step of one layer.
 
-The table of schedulers: :data:`BUILTIN_SCHEDULERS` and those added with
-:func:`register_scheduler` (``docs/extending.md``, "A new fetch scheduler"). Each entry is a
+The table of schedulers is :data:`tracesim.registry.SCHEDULER_REGISTRY`: the
+:data:`BUILTIN_SCHEDULERS`, those an installed distribution declares under the entry-point group
+``tracesim.schedulers`` (every process finds them: ``tracesim tiers``, its Dask workers and the
+in-loop fetch) and those added with :func:`register_scheduler` for this process only
+(``docs/extending.md``, "A new fetch scheduler"). Each entry is a
 :class:`Scheduler`: a name, what it reads, and its priority rule as a numba-compilable function
 of :class:`~tracesim.kernels.tier_priorities.PageInputs` (the kernel's) and as a numpy function
 of the same inputs as arrays (the reference's). The built-in rules are in
@@ -49,11 +52,12 @@ from tracesim.kernels import tier_priorities as tp
 from tracesim.kernels.tier_args import Schedule
 from tracesim.kernels.tier_priorities import PageInputs
 from tracesim.prn import permanent_uniforms
+from tracesim.registry import SCHEDULER_REGISTRY
 
 __all__ = ["BOUND_SCHEDULERS", "BUILTIN_SCHEDULERS", "CERTIFIED_SCHEDULERS", "DEPLOYABLE",
            "SCHEDULERS", "STREAM_FETCH", "PageInputs", "Scheduler", "confidence_weights",
-           "get_scheduler", "kernel_schedule", "random_priority", "register_scheduler",
-           "scheduler_names", "scheduler_source_hash"]
+           "get_scheduler", "in_process_schedulers", "kernel_schedule", "random_priority",
+           "register_scheduler", "scheduler_names", "scheduler_source_hash"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 
@@ -138,8 +142,7 @@ BUILTIN_SCHEDULERS: dict[str, Scheduler] = {s.name: s for s in (
     _builtin("certificate_bound", "certificate_bound", needs_certificate=True,
              needs_bound=True),
 )}
-#: Schedulers registered in this process (:func:`register_scheduler`), in registration order.
-_REGISTERED: dict[str, Scheduler] = {}
+SCHEDULER_REGISTRY.install(BUILTIN_SCHEDULERS, Scheduler)
 
 SCHEDULERS = tuple(BUILTIN_SCHEDULERS)
 DEPLOYABLE = {s: BUILTIN_SCHEDULERS[s].deployable for s in SCHEDULERS}
@@ -153,7 +156,8 @@ STREAM_FETCH = 2
 
 def register_scheduler(scheduler: Scheduler) -> Scheduler:
     """Add a scheduler to this process's table, so specs and :func:`tracesim.tiers.run_tiers`
-    (local backend) can name it; returns it.
+    (local backend) can name it; returns it. A scheduler that Dask workers should find is
+    declared under the entry-point group ``tracesim.schedulers`` instead.
 
     Raises
     ------
@@ -165,31 +169,34 @@ def register_scheduler(scheduler: Scheduler) -> Scheduler:
         raise ValueError(f"register_scheduler({scheduler!r}): expected a Scheduler")
     if scheduler.name in BUILTIN_SCHEDULERS:
         raise ValueError(f"scheduler name {scheduler.name!r} is a built-in's; choose another")
-    _REGISTERED[scheduler.name] = scheduler
-    return scheduler
+    return SCHEDULER_REGISTRY.register(scheduler)
 
 
 def scheduler_names() -> tuple[str, ...]:
-    """Every scheduler a spec may name: the built-ins, then the registered ones."""
-    return SCHEDULERS + tuple(_REGISTERED)
+    """Every scheduler a spec may name: the built-ins, the registered ones, the entry points."""
+    return tuple(SCHEDULER_REGISTRY.names())
 
 
 def get_scheduler(name: str) -> Scheduler:
-    """The table's entry for ``name``; ``ValueError`` naming the choices if there is none."""
-    found = BUILTIN_SCHEDULERS.get(name) or _REGISTERED.get(name)
-    if found is None:
-        raise ValueError(f"unknown scheduler {name!r}; expected one of {list(scheduler_names())}")
-    return found
+    """The table's entry for ``name``; ``ValueError`` naming the choices if there is none (or
+    naming the plugin when its entry point fails to load)."""
+    try:
+        return SCHEDULER_REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduler {name!r}; expected one of "
+                         f"{list(scheduler_names())}") from None
 
 
 def scheduler_source_hash(name: str) -> str:
-    """``sha256:<hex>`` of the source files defining a scheduler's two rules
-    (:func:`tracesim.plugins.source_hash`)."""
-    from tracesim.plugins import source_hash
+    """``sha256:<hex>`` of the source files defining a scheduler's two rules, as on disk now
+    (:func:`tracesim.registry.functions_hash`)."""
+    return SCHEDULER_REGISTRY.digest(get_scheduler(name))
 
-    s = get_scheduler(name)
-    parts = [source_hash(getattr(f, "py_func", f)) for f in (s.priority, s.reference)]
-    return parts[0] if parts[0] == parts[1] else "+".join(parts)
+
+def in_process_schedulers(names: Iterable[str]) -> list[str]:
+    """Those of ``names`` registered by :func:`register_scheduler` only: other processes (Dask
+    workers) cannot find them."""
+    return [n for n in names if n in SCHEDULER_REGISTRY.registered]
 
 
 def kernel_schedule(names: Iterable[str], budgets: np.ndarray, conf_w: np.ndarray,

@@ -28,7 +28,12 @@ import numpy as np
 
 from tracesim.kernels.tiers import Attention, Inclusion, Pages, tiers_layer
 from tracesim.tiers.model import MemoryModel
-from tracesim.tiers.schedulers import BUILTIN_SCHEDULERS, get_scheduler, kernel_schedule
+from tracesim.tiers.schedulers import (
+    BUILTIN_SCHEDULERS,
+    get_scheduler,
+    kernel_schedule,
+    scheduler_names,
+)
 from tracesim.tiers.simulate import (
     kernel_pages,
     layer_memory_model,
@@ -37,12 +42,21 @@ from tracesim.tiers.simulate import (
     tail_positions,
 )
 
-__all__ = ["INLOOP_SCHEDULERS", "LayerFetch", "StepFetch", "layer_fetch", "layer_memory_model",
-           "step_fetch"]
+__all__ = ["INLOOP_SCHEDULERS", "LayerFetch", "StepFetch", "inloop_schedulers", "layer_fetch",
+           "layer_memory_model", "step_fetch"]
 
 #: Built-in schedulers the in-loop fetch enforces (``confidence`` needs the whole sequence's
 #: log-probs to normalise its per-step budgets, which a decode loop does not have).
 INLOOP_SCHEDULERS = tuple(n for n, s in BUILTIN_SCHEDULERS.items() if s.in_loop)
+
+
+def inloop_schedulers() -> tuple[str, ...]:
+    """Every scheduler the in-loop fetch enforces: :data:`INLOOP_SCHEDULERS`, then the
+    registered and entry-point schedulers whose ``in_loop`` is true (an entry point is loaded
+    to read it)."""
+    plugins = tuple(n for n in scheduler_names() if n not in BUILTIN_SCHEDULERS
+                    and get_scheduler(n).in_loop)
+    return INLOOP_SCHEDULERS + plugins
 
 
 @dataclass(frozen=True)
@@ -132,7 +146,7 @@ def step_fetch(lf: LayerFetch, scheduler: str, budget: float, query: np.ndarray,
     ----------
     lf : LayerFetch
     scheduler : str
-        One of :data:`INLOOP_SCHEDULERS`, or a registered scheduler enforceable in the loop.
+        One of :func:`inloop_schedulers` (a built-in or a plugin with ``in_loop``).
     budget : float
         Bytes fetched, as a fraction of the layer's evicted bytes.
     query : ndarray of float64, shape (H, d)
