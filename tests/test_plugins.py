@@ -1,14 +1,11 @@
 """Plugins: a score installed as a small distribution reaches every worker of a sweep.
 
-The distribution is installed without pip: a package and its ``*.dist-info`` (METADATA,
-entry_points.txt, RECORD) are written into a temporary directory that is put on ``sys.path``
-and ``PYTHONPATH``, which is all an installer does for a pure-Python wheel.
+The distribution is installed without pip (:mod:`tests.plugin_dist`): a package and its
+``*.dist-info`` written into a temporary directory on ``sys.path`` and ``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import json
 import sys
 from dataclasses import dataclass
@@ -20,6 +17,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
+from tests.plugin_dist import on_path, write_dist
 from tests.sweep_fixtures import build_sweep_store
 from tracesim.designs import Design, inclusion_probabilities
 from tracesim.plugins import (
@@ -62,31 +60,16 @@ class ValueSquare(Score):
 
 
 def _write_dist(root: Path, offset_scale: str) -> None:
-    pkg = root / PKG
-    pkg.mkdir(parents=True, exist_ok=True)
-    src = PLUGIN_SOURCE.replace("OFFSET_SCALE", offset_scale)
-    (pkg / "__init__.py").write_text(src)
-    info = root / f"{PKG}-{VERSION}.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: {VERSION}\n")
-    (info / "entry_points.txt").write_text(f"[tracesim.scores]\n{NAME} = {PKG}:ValueSquare\n")
-    digest = hashlib.sha256(src.encode()).hexdigest()
-    (info / "RECORD").write_text(f"{PKG}/__init__.py,sha256={digest},{len(src)}\n"
-                                 f"{info.name}/METADATA,,\n{info.name}/entry_points.txt,,\n"
-                                 f"{info.name}/RECORD,,\n")
+    write_dist(root, DIST, VERSION, PKG, PLUGIN_SOURCE.replace("OFFSET_SCALE", offset_scale),
+               {"tracesim.scores": {NAME: f"{PKG}:ValueSquare"}})
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("site")
     _write_dist(root, "1.0")
-    mp = pytest.MonkeyPatch()
-    mp.syspath_prepend(str(root))
-    old = __import__("os").environ.get("PYTHONPATH", "")
-    mp.setenv("PYTHONPATH", f"{root}:{old}" if old else str(root))
-    importlib.invalidate_caches()
-    yield root
-    mp.undo()
+    with on_path(root):
+        yield root
     sys.modules.pop(PKG, None)
     SCORE_REGISTRY._loaded.pop(NAME, None)
     SCORE_REGISTRY.loaded_hash.pop(NAME, None)
