@@ -7,13 +7,20 @@ every query of the event and head of the group recomputes the policy's estimate 
 tokens (Hájek offsets ``-log pi`` or none) and bounds ``|o_hat - o|``. Only kept keys/values, the
 query and the summaries enter the bound; the truth is never read.
 
-The numpy reference is :func:`tracesim.bounds.attention_error_bound`.
+The numpy reference is :func:`tracesim.bounds.attention_error_bound`. The operands come in the
+documented groups of :mod:`tracesim.kernels.bound_args`.
 """
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
+
+from tracesim.kernels.bound_args import (
+    BoundScratch,
+    KeptHead,
+    MissingPages,
+)
 
 # Fields of ``out[iteration, head, query, :]``.
 B_BOUND, B_MASS, B_TOKENS = 0, 1, 2
@@ -92,9 +99,15 @@ def ratio_box_max(num0, den0, slope, width, n):
 
 
 @nb.njit(cache=True)
-def row_bound(qv, Kg, Vg, scale, t, kept_idx, m, pi_row, corrected, n_pages, kmin, kmax, vcen,
-              vrad, count, first, last, s, o_r, o_h, hi, lo, dist):
-    """Bound ``|o_hat - o|`` and the missing mass for one query (scratch arrays passed in)."""
+def row_bound(qv, t, head, pages, scratch):
+    """Bound ``|o_hat - o|`` and the missing mass for one query.
+
+    ``qv`` (d,) is the query at position ``t``; ``head`` a :class:`KeptHead`, ``pages`` its
+    :class:`MissingPages`, ``scratch`` a :class:`BoundScratch`. Returns ``(bound, mass)``.
+    """
+    Kg, Vg, scale, kept_idx, m, pi_row, corrected = head
+    n_pages, kmin, kmax, vcen, vrad, count, first, last = pages
+    s, o_r, o_h, hi, lo, dist = scratch
     d = Kg.shape[1]
     top = -np.inf
     mv = 0
@@ -183,14 +196,14 @@ def row_bound(qv, Kg, Vg, scale, t, kept_idx, m, pi_row, corrected, n_pages, kmi
 
 
 @nb.njit(cache=True, parallel=True)
-def bound_kernel(Q, K, V, qpos, scale, pi, ev_qptr, ev_q, slot_ev, kmask, u, it_cfg, it_seed,
-                 it_slot, it_kslot, corrected, page, out):
+def bound_kernel(layer, iters, out):
     """Bound of every (iteration, head, evaluated query); NaN where the policy's page is 0.
 
-    Shapes: ``Q`` (H, NQ, d) evaluated queries; ``K``, ``V`` (n_kv, P, d); ``qpos`` (NQ,);
-    ``pi`` (n_events, n_kv, P); ``kmask`` (>=1, n_kv, P); ``u`` (S, n_kv, P);
-    ``corrected``, ``page`` (n_cfg,); ``out`` (n_iter, H, NQ, N_BOUND_FIELDS).
+    ``layer`` a :class:`BoundLayer`, ``iters`` a :class:`BoundIterations`; ``out`` (n_iter, H,
+    NQ, N_BOUND_FIELDS) float64 receives the rows (fields ``B_*``).
     """
+    Q, K, V, qpos, scale, pi, ev_qptr, ev_q, slot_ev, kmask, u = layer
+    it_cfg, it_seed, it_slot, it_kslot, corrected, page = iters
     H, NQ, d = Q.shape
     n_kv, P, _ = K.shape
     G = H // n_kv
@@ -222,6 +235,7 @@ def bound_kernel(Q, K, V, qpos, scale, pi, ev_qptr, ev_q, slot_ev, kmask, u, it_
         hi = np.empty(nmax)
         lo = np.empty(nmax)
         dist = np.empty(nmax)
+        scratch = BoundScratch(s, o_r, o_h, hi, lo, dist)
         for g in range(n_kv):
             for e in range(slot_ev[slot], slot_ev[slot + 1]):
                 qrows = ev_q[ev_qptr[e]:ev_qptr[e + 1]]
@@ -240,14 +254,13 @@ def bound_kernel(Q, K, V, qpos, scale, pi, ev_qptr, ev_q, slot_ev, kmask, u, it_
                 n_pages = build_pages(K[g], V[g], keep, tmax, pg, kmin, kmax, vcen, vrad, count,
                                       first, last)
                 tokens = n_pages * (3.0 * d + 3.0) / (2.0 * d)
+                head = KeptHead(K[g], V[g], scale, kept_idx, m, pi[e, g], corrected[c])
+                pages = MissingPages(n_pages, kmin, kmax, vcen, vrad, count, first, last)
                 for a in range(qrows.size):
                     q = qrows[a]
                     for hh in range(G):
                         h = g * G + hh
-                        b, mass = row_bound(Q[h, q], K[g], V[g], scale, qpos[q], kept_idx, m,
-                                            pi[e, g], corrected[c], n_pages, kmin, kmax, vcen,
-                                            vrad, count, first, last, s, o_r, o_h, hi, lo,
-                                            dist)
+                        b, mass = row_bound(Q[h, q], qpos[q], head, pages, scratch)
                         out[it, h, q, B_BOUND] = b
                         out[it, h, q, B_MASS] = mass
                         out[it, h, q, B_TOKENS] = tokens

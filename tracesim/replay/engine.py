@@ -25,6 +25,7 @@ from scipy import special  # t and normal quantiles (scipy.stats is slow to impo
 from threadpoolctl import ThreadpoolController
 
 from tracesim.counts import BOOTSTRAP_REPLICATES
+from tracesim.kernels.bound_args import BoundIterations, BoundLayer
 from tracesim.kernels.bounds import N_BOUND_FIELDS, bound_kernel
 from tracesim.kernels.replay import F_WALD, N_FIELDS, N_LAYER_FIELDS, replay_kernel
 from tracesim.kernels.replay_bootstrap import B_COV, N_BOOT_FIELDS, bootstrap_kernel
@@ -444,10 +445,12 @@ def _bound_pass(trace: LayerTrace, policies: list[Policy], qidx: np.ndarray, qpo
         return None
     corrected = np.array([p.correction == "hajek" for p in policies], dtype=np.bool_)
     out = np.empty((tables.it_cfg.size, trace.n_heads, qidx.size, N_BOUND_FIELDS))
-    bound_kernel(np.ascontiguousarray(trace.queries[:, qidx], dtype=np.float64),
-                 np.ascontiguousarray(trace.keys, dtype=np.float64),
-                 np.ascontiguousarray(trace.values, dtype=np.float64), qpos, float(trace.scale),
-                 tables.pi, tables.ev_qptr, tables.ev_q, tables.slot_ev, kmask, u,
-                 tables.it_cfg, tables.it_seed, tables.it_slot, tables.it_kslot, corrected, page,
+    bound_kernel(BoundLayer(np.ascontiguousarray(trace.queries[:, qidx], dtype=np.float64),
+                            np.ascontiguousarray(trace.keys, dtype=np.float64),
+                            np.ascontiguousarray(trace.values, dtype=np.float64), qpos,
+                            float(trace.scale), tables.pi, tables.ev_qptr, tables.ev_q,
+                            tables.slot_ev, kmask, u),
+                 BoundIterations(tables.it_cfg, tables.it_seed, tables.it_slot, tables.it_kslot,
+                                 corrected, page),
                  out)
     return out
