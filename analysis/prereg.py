@@ -8,7 +8,7 @@ from typing import Any
 
 from tracesim.analysis.claim_registry import registered_claims
 
-from tracesim.provenance import prereg_sha256
+from tracesim.digests import prereg_sha256
 
 __all__ = ["PreregChangedError", "Preregistration", "check_prereg_hash", "load_prereg",
            "prereg_hash"]

@@ -22,7 +22,7 @@ MIN_CLUSTERS = 3
 
 def policy_labels(df: pd.DataFrame) -> pd.Series:
     """``score / design`` per row; designs that ignore the score are labelled once,
-    ``bernoulli (any score)`` (see :mod:`tracesim.policies.equivalence`)."""
+    ``bernoulli (any score)`` (see :mod:`tracesim.policies.redundancy`)."""
     score = df["score"].astype(str)
     design = df["design"].astype(str)
     mixture = pd.to_numeric(df["mixture"], errors="coerce") if "mixture" in df else \

@@ -11,7 +11,7 @@ from tracesim import (
     satterthwaite_covered,
     wald_covered,
 )
-from tracesim.coverage import satterthwaite_quantile
+from tracesim.interval_events import satterthwaite_quantile
 
 
 def _layer(seed, n_heads=6, n_kv=2, N=40, d=8, n_q=3, hidden=20):

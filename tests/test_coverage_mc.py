@@ -12,7 +12,7 @@ import pytest
 
 from tests.coverage_fixtures import synthetic_head
 from tracesim import hajek_attention, permanent_uniforms
-from tracesim.coverage import satterthwaite_covered, wald_covered
+from tracesim.interval_events import satterthwaite_covered, wald_covered
 
 # budget -> (mean m, Wald, Wald small-sample, Satterthwaite, Satterthwaite small-sample) and SEs
 ESTABLISHED = {

@@ -10,8 +10,8 @@ import pytest
 from tests.replay_fixtures import build_store
 from tracesim.app.cli import main as cli_main
 from tracesim.policies import make_policy, policy_grid
-from tracesim.policies.equivalence import budget_warnings, effective_key, merge_score_free
 from tracesim.policies.grid import BudgetWarning
+from tracesim.policies.redundancy import budget_warnings, effective_key, merge_score_free
 from tracesim.replay import replay
 from tracesim.store import open_store
 from tracesim.sweep import expand_grid
@@ -130,7 +130,7 @@ def test_uses_scores_merges_what_the_old_rule_merged():
     """``Design.uses_scores`` replaced ``isinstance(d, Bernoulli) or d.mixture == 1``: the same
     built-in designs ignore the score, so the same configurations merge."""
     from tracesim.designs import Bernoulli, OrderSampling, PoissonPPS, TopK
-    from tracesim.policies.equivalence import design_ignores_score
+    from tracesim.policies.redundancy import design_ignores_score
 
     designs = [Bernoulli(), TopK()]
     for mixture in (0.0, 0.1, 0.5, 0.999, 1.0, 1):

@@ -359,7 +359,7 @@ def test_press_aliases_with_a_randomized_design():
 
 
 def test_score_free_merging_respects_the_press_budget_rule():
-    from tracesim.policies.equivalence import merge_score_free
+    from tracesim.policies.redundancy import merge_score_free
 
     ps = [make_policy(n, "bernoulli", 0.25) for n in ("KnormPress", "KeyDiffPress")]
     ps.append(make_policy("keydiff", "bernoulli", 0.25, score_params={"sinks": 0}))

@@ -13,7 +13,7 @@ from tracesim.peers import (
     MAX_REPLICATES,
     MagicPIG,
     StepInput,
-    hajek_row,
+    hajek_step_metrics,
     make_peer,
     replay_peers,
     replicate_hyperplanes,
@@ -73,7 +73,7 @@ def test_one_hash_set_is_todays_peer_bit_for_bit():
         g, seed = x.kv_head, 5
         row = peer.step(x, peer.prepare(trace.layer, g, trace.keys[g], trace.prompt_length,
                                         seed), seed, Z95)
-        # The rule as it was written before replicates: one hash, then hajek_row.
+        # The rule as it was written before replicates: one hash, then hajek_step_metrics.
         mu = trace.keys[g, lo:hi].mean(axis=0)
         W = hyperplanes(trace.layer, g, 8, 36, seed=seed)
         kc = x.keys[lo:hi] - mu
@@ -86,7 +86,7 @@ def test_one_hash_set_is_todays_peer_bit_for_bit():
         u = np.clip(1 - (1 - c) ** 12 - 12 * c * (1 - c) ** 11, 0, 1)
         pi, kept = np.ones(x.step + 1), np.ones(x.step + 1, dtype=bool)
         pi[lo:hi], kept[lo:hi] = np.minimum(1.0, u + 1e-4), hits >= 2
-        ref = hajek_row(x, pi, kept, Z95)
+        ref = hajek_step_metrics(x, pi, kept, Z95)
         for key in ("err2", "cert2", "wald_cov", "tail_size", "n_eff"):
             assert row[key] == ref[key] or (np.isnan(row[key]) and np.isnan(ref[key])), key
         assert row["sampled"] == int((hits >= 2).sum())

@@ -13,8 +13,7 @@ import os
 import pytest
 from tracesim.capture.inloop.evict_run import _safe_name as evict_part_name
 
-from tracesim.errors import UsageError
-from tracesim.provenance import (
+from tracesim.digests import (
     PREREG_FILE,
     find_prereg,
     prereg_record,
@@ -23,6 +22,7 @@ from tracesim.provenance import (
     sha256_file,
     source_digest,
 )
+from tracesim.errors import UsageError
 from tracesim.store.format import StoreError
 from tracesim.store.format import safe_file_stem as store_stem
 from tracesim.sweep.tasks import _safe as sweep_task_dir

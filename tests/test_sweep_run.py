@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.sweep_fixtures import SPEC_TEXT, build_sweep_store
-from tracesim.provenance import sha256_file
+from tracesim.digests import sha256_file
 from tracesim.replay import replay
 from tracesim.store import open_store
 from tracesim.sweep import load_spec, plan_tasks, run_sweep, worker

@@ -20,8 +20,8 @@ _LAZY: dict[str, str] = {
     "OutputSpaceCertificate": "tracesim.certificates",
     "bootstrap_certificate": "tracesim.certificates",
     "output_space_certificate": "tracesim.certificates",
-    "satterthwaite_covered": "tracesim.coverage",
-    "wald_covered": "tracesim.coverage",
+    "satterthwaite_covered": "tracesim.interval_events",
+    "wald_covered": "tracesim.interval_events",
     "Bernoulli": "tracesim.designs",
     "Design": "tracesim.designs",
     "OrderSampling": "tracesim.designs",
@@ -79,7 +79,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         bootstrap_certificate,
         output_space_certificate,
     )
-    from tracesim.coverage import satterthwaite_covered, wald_covered
     from tracesim.designs import (
         Bernoulli,
         Design,
@@ -90,6 +89,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         make_design,
     )
     from tracesim.estimators import AttentionEstimate, full_attention, hajek_attention
+    from tracesim.interval_events import satterthwaite_covered, wald_covered
     from tracesim.prn import permanent_uniforms
     from tracesim.replay import replay
     from tracesim.store import ModelMeta, TraceStore, TraceWriter, open_store, validate_store

@@ -19,8 +19,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from tracesim.digests import sha256_file
 from tracesim.errors import UsageError
-from tracesim.provenance import sha256_file
 
 __all__ = ["KEY_COLUMNS", "OUTCOME_COLUMNS", "OUTCOME_KEYS", "RECORD_FIELDS",
            "REQUIRED_COLUMNS", "file_sha256", "results_record", "sign_results",

@@ -1,7 +1,7 @@
 """The registries of scores, designs, proxies, fetch schedulers and claims: built-ins, plugins.
 
 This module is the ground floor of the component packages: of tracesim it imports only the
-leaf :mod:`tracesim.provenance` (source digests), and :mod:`tracesim.policies`,
+leaf :mod:`tracesim.digests` (source digests), and :mod:`tracesim.policies`,
 :mod:`tracesim.designs`, :mod:`tracesim.proxies` and :mod:`tracesim.plugins` import it.
 Each package hands its built-ins and its base class to its registry when it is imported
 (:meth:`Registry.install`); a plugin subclasses that base (scores, designs, proxies) or is an
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tracesim.provenance import source_digest
+from tracesim.digests import source_digest
 
 __all__ = ["CLAIM_GROUP", "CLAIM_REGISTRY", "DESIGN_GROUP", "DESIGN_REGISTRY", "PROXY_GROUP",
            "PROXY_REGISTRY", "Registry", "SCHEDULER_GROUP", "SCHEDULER_REGISTRY", "SCORE_GROUP",

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tracesim.provenance import prereg_record, safe_file_stem
+from tracesim.digests import prereg_record, safe_file_stem
 
 __all__ = ["run_evict"]
 

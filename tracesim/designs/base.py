@@ -59,7 +59,7 @@ class Design:
         whether the kept set depends on the scores' values (False: ``pi`` depends on the
         number of tail tokens and the budget only, as for ``bernoulli``). Configurations that
         differ only in a score such a design ignores are computed once
-        (:mod:`tracesim.policies.equivalence`). A design whose answer depends on its
+        (:mod:`tracesim.policies.redundancy`). A design whose answer depends on its
         hyperparameters overrides it with a property (``poisson`` with ``mixture = 1``).
         When in doubt leave it True: a wrong False merges configurations that differ.
 

@@ -63,7 +63,7 @@ def _unit(layer, ev, osp, cert, unit, res):
 
     Parameters
     ----------
-    layer : LayerArrays
+    layer : ChunkTensors
         The layer's tensors.
     ev : EventParts
         Seed-independent per-event results (oracle statistics, take-all parts).
@@ -312,7 +312,7 @@ def replay_kernel(layer, incl, its, cert, ev, osp, res):
 
     Parameters
     ----------
-    layer : LayerArrays
+    layer : ChunkTensors
         Exp-logits, normalisers, values, ``|v|^2``, truth and query positions.
     incl : InclusionArrays
         Inclusion probabilities, event times, event -> query lists, slots, fixed-size kept

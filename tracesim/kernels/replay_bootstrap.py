@@ -106,7 +106,7 @@ def bootstrap_kernel(layer, incl, its, z_wald, n_replicates, boot):
 
     Parameters
     ----------
-    layer : LayerArrays
+    layer : ChunkTensors
         As for :func:`tracesim.kernels.replay.replay_kernel`.
     incl : InclusionArrays
         As for the replay kernel.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from tracesim.kernels.replay_operands import EventParts, InclusionArrays, LayerArrays
+from tracesim.kernels.replay_operands import ChunkTensors, EventParts, InclusionArrays
 from tracesim.prn import step_uniforms_into
 
 # Fields of the per-(event query, head) statistics.
@@ -452,12 +452,12 @@ def take_all_kernel(E, V, pi, ev_qptr, ev_q, G, xta, zta, nta) -> None:
                                                               zta, nta)
 
 
-def event_parts(layer: LayerArrays, incl: InclusionArrays) -> EventParts:
+def event_parts(layer: ChunkTensors, incl: InclusionArrays) -> EventParts:
     """Everything the replay needs per (event, KV head) that does not depend on the seed.
 
     Parameters
     ----------
-    layer : LayerArrays
+    layer : ChunkTensors
         The chunk's exp-logits, normalisers, values and query positions (``truth`` unused).
     incl : InclusionArrays
         Inclusion probabilities and the chunk's event -> query lists.

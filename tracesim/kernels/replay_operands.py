@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 
-class LayerArrays(NamedTuple):
+class ChunkTensors(NamedTuple):
     """The layer's tensors for one chunk of queries, shared by every iteration.
 
     Attributes
@@ -267,3 +267,10 @@ class IterationOutputs(NamedTuple):
     out: np.ndarray
     errT: np.ndarray
     lcert: np.ndarray
+
+
+# The name before the rename, kept for one reason: numba's on-disk cache index pickles a
+# compiled kernel's argument types by module and name, and unpickles the index before it checks
+# whether the index is stale; a cache written before the rename must still unpickle (it is then
+# found stale and recompiled) instead of failing with AttributeError. Not for new code.
+LayerArrays = ChunkTensors

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Attention", "Inclusion", "Pages", "Schedule", "TierOutputs"]
+__all__ = ["Attention", "Inclusion", "Pages", "SchedulerTable", "TierOutputs"]
 
 
 class Attention(NamedTuple):
@@ -105,7 +105,7 @@ class Pages(NamedTuple):
     page: int
 
 
-class Schedule(NamedTuple):
+class SchedulerTable(NamedTuple):
     """The ``NS`` schedulers and ``NB`` fetch budgets of one call
     (:func:`tracesim.tiers.schedulers.kernel_schedule` builds it from names).
 
@@ -174,3 +174,10 @@ class TierOutputs(NamedTuple):
     kept_tokens: np.ndarray
     order: np.ndarray
     nsel: np.ndarray
+
+
+# The name before the rename, kept for one reason: numba's on-disk cache index pickles a
+# compiled kernel's argument types by module and name, and unpickles the index before it checks
+# whether the index is stale; a cache written before the rename must still unpickle (it is then
+# found stale and recompiled) instead of failing with AttributeError. Not for new code.
+Schedule = SchedulerTable

@@ -17,9 +17,9 @@ tokens, and a KV head whose every evicted page is fetched is the full cache.
 
 The arguments come in five named tuples (:mod:`tracesim.kernels.tier_args`, each field's shape
 documented there once): :class:`Attention`, :class:`Inclusion`, :class:`Pages`,
-:class:`Schedule` and :class:`TierOutputs`. Each scheduler's priority of a page is a function of
-the page's :class:`~tracesim.kernels.tier_priorities.PageInputs`: built-in rules are compiled in
-(``builtin_priority``), registered ones arrive as one C callback (``plugin_priority``).
+:class:`SchedulerTable` and :class:`TierOutputs`. Each scheduler's priority of a page is a
+function of the page's :class:`~tracesim.kernels.tier_priorities.PageInputs`: built-in rules are
+compiled in (``builtin_priority``), registered ones arrive as one C callback (``plugin_priority``).
 
 The plain-numpy reference, which the tests compare this kernel with, is
 :func:`tracesim.tiers.reference.simulate_layer_reference`; the definitions are in
@@ -33,7 +33,7 @@ from typing import Any
 import numba as nb
 import numpy as np
 
-from tracesim.kernels.tier_args import Attention, Inclusion, Pages, Schedule, TierOutputs
+from tracesim.kernels.tier_args import Attention, Inclusion, Pages, SchedulerTable, TierOutputs
 from tracesim.kernels.tier_priorities import (  # noqa: F401 - the codes are re-exported
     N_BUILTIN,
     S_BOUND,
@@ -50,7 +50,7 @@ from tracesim.kernels.tier_priorities import (  # noqa: F401 - the codes are re-
     quiet_first_class_functions,
 )
 
-__all__ = ["Attention", "Inclusion", "Pages", "Schedule", "TierOutputs", "tiers_layer",
+__all__ = ["Attention", "Inclusion", "Pages", "SchedulerTable", "TierOutputs", "tiers_layer",
            "tiers_step"]
 
 #: Layers whose work (multiply-adds over steps x positions x query heads x head dim) is below
@@ -154,7 +154,7 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
     """Simulate decode step ``a`` of one layer, every scheduler and budget of ``schedule``.
 
     ``att``, ``inc``, ``pages``, ``schedule`` and ``out`` are an :class:`Attention`,
-    :class:`Inclusion`, :class:`Pages`, :class:`Schedule` and :class:`TierOutputs`;
+    :class:`Inclusion`, :class:`Pages`, :class:`SchedulerTable` and :class:`TierOutputs`;
     ``plugin`` is the callback of the run's registered rules
     (:func:`tracesim.kernels.tier_priorities.plugin_priority`).
     """
@@ -427,8 +427,9 @@ def _layer_serial(att, inc, pages, schedule, out, plugin):
         tiers_step(a, att, inc, pages, schedule, out, plugin)
 
 
-def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, schedule: Schedule, n_tiers: int,
-                want_order: bool = False, plugin: Any = None) -> dict[str, np.ndarray]:
+def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, schedule: SchedulerTable,
+                n_tiers: int, want_order: bool = False,
+                plugin: Any = None) -> dict[str, np.ndarray]:
     """Simulate every decode step of one layer for one seed.
 
     Parameters
@@ -439,7 +440,7 @@ def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, schedule: Schedule
         The base policy's inclusion probabilities and kept set.
     pages : Pages
         The evicted pages and their summaries.
-    schedule : Schedule
+    schedule : SchedulerTable
         Schedulers, fetch budgets and what the schedulers read.
     n_tiers : int
         Lower tiers.

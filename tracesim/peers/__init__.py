@@ -13,7 +13,7 @@ peer            rule (source)
 
 from __future__ import annotations
 
-from tracesim.peers.base import Peer, StepInput, hajek_row, peer_uniforms
+from tracesim.peers.base import Peer, StepInput, hajek_step_metrics, peer_uniforms
 from tracesim.peers.magicpig import (
     MAX_REPLICATES,
     MagicPIG,
@@ -25,8 +25,9 @@ from tracesim.peers.run import PEER_COLUMNS, replay_peers, step_inputs
 from tracesim.peers.vattention import VAttention, vattention_budget
 
 __all__ = ["MAX_REPLICATES", "PEERS", "PEER_COLUMNS", "MagicPIG", "Peer", "Quest", "StepInput",
-           "VAttention", "collision_probability", "hajek_row", "make_peer", "peer_uniforms",
-           "replay_peers", "replicate_hyperplanes", "step_inputs", "vattention_budget"]
+           "VAttention", "collision_probability", "hajek_step_metrics", "make_peer",
+           "peer_uniforms", "replay_peers", "replicate_hyperplanes", "step_inputs",
+           "vattention_budget"]
 
 PEERS = {cls.name: cls for cls in (MagicPIG, VAttention, Quest)}
 

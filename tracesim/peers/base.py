@@ -19,7 +19,7 @@ import numpy as np
 from tracesim.estimators import hajek_attention
 from tracesim.prn import permanent_uniforms, step_stream
 
-__all__ = ["Peer", "StepInput", "hajek_row", "peer_uniforms"]
+__all__ = ["Peer", "StepInput", "hajek_step_metrics", "peer_uniforms"]
 
 #: Purposes of the per-step uniforms of peers (the high half of the ``kv_head`` key field).
 PURPOSE_VATT_BASE, PURPOSE_VATT_FINAL = 1, 2
@@ -70,7 +70,7 @@ class StepInput:
     truth: np.ndarray
 
 
-def hajek_row(x: StepInput, pi: np.ndarray, kept: np.ndarray, z: float,
+def hajek_step_metrics(x: StepInput, pi: np.ndarray, kept: np.ndarray, z: float,
               logit_offset: np.ndarray | None = None, correction: bool = True) -> dict:
     """Error, Poisson certificate and Wald coverage of the (offset) Hájek estimate on ``kept``.
 

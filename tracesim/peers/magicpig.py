@@ -42,7 +42,7 @@ import numpy as np
 from scipy import special
 
 from tracesim.estimators import hajek_attention
-from tracesim.peers.base import Peer, StepInput, hajek_row
+from tracesim.peers.base import Peer, StepInput, hajek_step_metrics
 from tracesim.proxies.simhash import MAX_HASH_BITS, hyperplanes
 
 __all__ = ["MAX_REPLICATES", "MagicPIG", "collision_probability", "replicate_hyperplanes"]
@@ -171,7 +171,7 @@ class MagicPIG(Peer):
         used = used_sets[0]
         kept = np.ones(n, dtype=bool)
         kept[lo:hi] = used
-        row = hajek_row(x, pi, kept, z)
+        row = hajek_step_metrics(x, pi, kept, z)
         row.update(kept_tokens=int(kept.sum()), sampled=int(used.sum()),
                    expected_sampled=float(u.sum()), peer_bound_ok=float("nan"),
                    replicates=1, rows_read=int(kept.sum()))

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from tracesim.peers.base import Peer, StepInput, hajek_row
+from tracesim.peers.base import Peer, StepInput, hajek_step_metrics
 from tracesim.proxies.pages import page_upper_bounds
 
 __all__ = ["Quest"]
@@ -68,7 +68,7 @@ class Quest(Peer):
         kept = np.zeros(n, dtype=bool)
         for p in self.selected_pages(x):
             kept[p * self.page:(p + 1) * self.page] = True
-        row = hajek_row(x, np.ones(n), kept, z, correction=False)
+        row = hajek_step_metrics(x, np.ones(n), kept, z, correction=False)
         row.update(kept_tokens=int(kept.sum()), sampled=0, expected_sampled=0.0,
                    peer_bound_ok=float("nan"))
         return row, row["estimate"], kept

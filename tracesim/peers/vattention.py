@@ -44,7 +44,7 @@ from tracesim.peers.base import (
     PURPOSE_VATT_FINAL,
     Peer,
     StepInput,
-    hajek_row,
+    hajek_step_metrics,
     peer_uniforms,
 )
 
@@ -123,7 +123,7 @@ class VAttention(Peer):
         D = float(e.sum())
         if R < 2:  # the hub falls back to full attention
             kept = np.ones(n, dtype=bool)
-            row = hajek_row(x, np.ones(n), kept, z)
+            row = hajek_step_metrics(x, np.ones(n), kept, z)
             row.update(kept_tokens=n, sampled=0, expected_sampled=0.0, budget_b=0,
                        peer_bound_ok=1.0, peer_den_ok=1.0)
             return row, row["estimate"], kept
@@ -140,11 +140,11 @@ class VAttention(Peer):
         kept = det | sampled
         offset = np.zeros(n)
         offset[sampled] = np.log(R / b)
-        own = hajek_row(x, np.ones(n), kept, z, logit_offset=offset, correction=False)
+        own = hajek_step_metrics(x, np.ones(n), kept, z, logit_offset=offset, correction=False)
         # tracesim's Hájek estimate and certificate with the exact inclusion probabilities
         pi = np.ones(n)
         pi[start:end] = np.where(det[start:end], 1.0, 1.0 - (1.0 - 1.0 / R) ** b)
-        ours = hajek_row(x, pi, kept, z)
+        ours = hajek_step_metrics(x, pi, kept, z)
         truth_norm = float(np.linalg.norm(x.truth))
         d_b = float((e * np.where(sampled, R / b, np.where(det, 1.0, 0.0))).sum())
         row = {"err2": own["err2"], "cert2": ours["cert2"], "wald_cov": ours["wald_cov"],

@@ -32,7 +32,6 @@ from tracesim.budgets import Budget
 from tracesim.designs import Design, make_design
 from tracesim.layer_trace import LayerTrace
 from tracesim.policies.base import Score, take_all_mask
-from tracesim.policies.equivalence import merge_score_free
 from tracesim.policies.full import FullScore
 from tracesim.policies.h2o import H2OScore
 from tracesim.policies.keyformer import KeyformerScore
@@ -41,6 +40,7 @@ from tracesim.policies.kvpress import KVPRESS_ALIASES, KVPRESS_SCORES
 from tracesim.policies.oracle import OracleScore
 from tracesim.policies.perstep import PerStepScore
 from tracesim.policies.policy import CORRECTIONS, POLICY_COLUMNS, Policy
+from tracesim.policies.redundancy import merge_score_free
 from tracesim.policies.snapkv import SnapKVScore
 from tracesim.policies.streaming import StreamingScore
 from tracesim.policies.tova import TOVAScore
@@ -115,7 +115,7 @@ def policy_grid(
     merge: bool = True,
 ) -> list[Policy]:
     """Every score × design × budget combination (``full`` once), deduplicated by id and by
-    :func:`~tracesim.policies.equivalence.merge_score_free` (a score the design ignores).
+    :func:`~tracesim.policies.redundancy.merge_score_free` (a score the design ignores).
 
     A budget is a float (a fraction if <= 1, else tokens) or a ``(value, unit)`` pair.
     """

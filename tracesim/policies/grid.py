@@ -5,7 +5,7 @@ The grammar (documented in ``docs/sweeps.md``) is plain YAML data; nothing is ex
 imported. Every list-valued key may also be given as a single value. A hyperparameter given as
 a list is swept (Cartesian product); the expansion is deduplicated by :attr:`Policy.id` and
 keeps the order of the spec. Configurations that differ only in a score their design ignores
-(``bernoulli``; ``mixture: 1``) are computed once (:mod:`tracesim.policies.equivalence`; the
+(``bernoulli``; ``mixture: 1``) are computed once (:mod:`tracesim.policies.redundancy`; the
 note is listed with the skipped combinations), and token budgets below ``sinks + window`` raise
 a :class:`BudgetWarning` naming the effective budget. The grid may also be a list of such
 mappings (their union).
@@ -29,8 +29,8 @@ from tracesim.budgets import ALLOCATORS, Budget
 from tracesim.counts import DECODE_EVERY, GRID_CONFIGS, GRID_PARTS, SUMMARY_PAGE
 from tracesim.designs import DESIGN_REGISTRY, DESIGNS, make_design
 from tracesim.policies import CORRECTIONS, SCORE_REGISTRY, SCORES, Policy, make_score
-from tracesim.policies.equivalence import budget_warnings, merge_score_free
 from tracesim.policies.kvpress import budget_from_compression_ratio
+from tracesim.policies.redundancy import budget_warnings, merge_score_free
 from tracesim.schedules import COORDINATIONS, Schedule
 
 __all__ = ["GRID_KEYS", "BudgetWarning", "GridExpansion", "SpecError", "expand_grid",

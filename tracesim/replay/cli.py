@@ -156,7 +156,7 @@ def build_policies(args: argparse.Namespace) -> list:
     """The grid the arguments describe (configurations a design makes identical merged, with a
     note on stderr)."""
     from tracesim.policies import policy_grid
-    from tracesim.policies.equivalence import merge_score_free
+    from tracesim.policies.redundancy import merge_score_free
 
     score_params = {}
     if args.window is not None:
@@ -258,7 +258,7 @@ def run_replay(args: argparse.Namespace) -> int:
     except (ValueError, StoreError) as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
-    from tracesim.policies.equivalence import budget_warnings
+    from tracesim.policies.redundancy import budget_warnings
 
     lengths = store.manifest.column("prompt_length").to_pylist()
     for message in budget_warnings(policies, lengths or None):
@@ -284,7 +284,7 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite, precision=args.precision,
                             bootstrap=args.bootstrap)
-    from tracesim.provenance import prereg_record
+    from tracesim.digests import prereg_record
 
     # hashed before any result is written: a prereg that cannot be read (a FIFO, a /proc
     # file) fails the run while the earlier outputs are still the earlier run's

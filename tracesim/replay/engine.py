@@ -37,9 +37,9 @@ from tracesim.kernels.replay_events import (
 )
 from tracesim.kernels.replay_operands import (
     CertificateConstants,
+    ChunkTensors,
     InclusionArrays,
     IterationTables,
-    LayerArrays,
     OutputSpace,
     ReplayOutputs,
 )
@@ -373,7 +373,7 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
             tr = np.empty((H, nq, d))
             zf = np.empty((H, nq))
             truth_kernel(E, V, np.arange(nq, dtype=np.int64), tr, zf)
-            layer = LayerArrays(E=E, zfull=zf, V=V, vn2=vn2, truth=tr, qpos=qp)
+            layer = ChunkTensors(E=E, zfull=zf, V=V, vn2=vn2, truth=tr, qpos=qp)
             incl = InclusionArrays(pi=tables.pi, tau=tables.tau, ev_qptr=ev_qptr, ev_q=ev_q,
                                    slot_ev=tables.slot_ev, kmask=kmask,
                                    ev_stream=tables.ev_stream)

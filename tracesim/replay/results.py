@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from tracesim.columns import METRIC_DOCS, describe_schema, to_arrow
-from tracesim.coverage import satterthwaite_quantile
+from tracesim.interval_events import satterthwaite_quantile
 from tracesim.kernels import bounds as KB
 from tracesim.kernels import replay as K
 from tracesim.kernels import replay_bootstrap as KBOOT

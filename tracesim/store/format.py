@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tracesim import provenance
+from tracesim import digests
 
 SCHEMA_VERSION = 1
 """Version of the on-disk layout; bumped on any incompatible change."""
@@ -238,7 +238,7 @@ def safe_file_stem(sequence_id: str) -> str:
     Ids that are already safe map to themselves; others are sanitized and get a short hash of
     the original id appended, so that two different ids cannot share a file.
     """
-    return provenance.safe_file_stem(sequence_id, max_chars=_STEM_MAX, digest_chars=12,
+    return digests.safe_file_stem(sequence_id, max_chars=_STEM_MAX, digest_chars=12,
                                      unsafe=_UNSAFE_OR_LEADING_DOT)
 
 
@@ -270,9 +270,9 @@ def member_path(root: Path, rel: Any, label: str) -> Path:
 
 
 def sha256_file(path: Path) -> str:
-    """``"sha256:<hex>"`` of the bytes of a store file (:func:`tracesim.provenance.sha256_file`:
+    """``"sha256:<hex>"`` of the bytes of a store file (:func:`tracesim.digests.sha256_file`:
     a FIFO, device or /proc file is refused with a :class:`StoreError`; no size limit)."""
-    return provenance.sha256_file(path, "store file", error=StoreError)
+    return digests.sha256_file(path, "store file", error=StoreError)
 
 
 # --------------------------------------------------------------------------- model.json

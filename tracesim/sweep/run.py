@@ -18,8 +18,8 @@ from tracesim.atomic import (
     check_file_targets,
     remove_stale_tmp,
 )
+from tracesim.digests import prereg_record
 from tracesim.integrity import results_record
-from tracesim.provenance import prereg_record
 from tracesim.sweep.backends import BACKENDS, Events, run_dask, run_local
 from tracesim.sweep.compact import (
     RESULTS_FILE,

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from tracesim.counts import SEQUENCES
+from tracesim.digests import source_digest
 from tracesim.policies import Policy
 from tracesim.policies.grid import SpecError, expand_grid
-from tracesim.provenance import source_digest
 from tracesim.replay.engine import ReplayOptions
 from tracesim.sweep.fields import (  # noqa: F401 - MAX_* are part of this module's API
     MAX_LAYER,

@@ -23,8 +23,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tracesim.digests import safe_file_stem
 from tracesim.policies import Policy
-from tracesim.provenance import safe_file_stem
 from tracesim.safeio import loads_json, read_bytes
 from tracesim.sweep.spec import SweepSpec, code_fingerprint, selected_sequences
 

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from tracesim.kernels import tier_priorities as tp
-from tracesim.kernels.tier_args import Schedule
+from tracesim.kernels.tier_args import SchedulerTable
 from tracesim.kernels.tier_priorities import PageInputs
 from tracesim.prn import permanent_uniforms
 from tracesim.registry import SCHEDULER_REGISTRY
@@ -200,8 +200,8 @@ def in_process_schedulers(names: Iterable[str]) -> list[str]:
 
 
 def kernel_schedule(names: Iterable[str], budgets: np.ndarray, conf_w: np.ndarray,
-                    rprio: np.ndarray) -> tuple[Schedule, Any]:
-    """The kernel's :class:`~tracesim.kernels.tier_args.Schedule` of the named schedulers and
+                    rprio: np.ndarray) -> tuple[SchedulerTable, Any]:
+    """The kernel's :class:`~tracesim.kernels.tier_args.SchedulerTable` of the named schedulers and
     the callback of their registered rules (:func:`tracesim.kernels.tier_priorities.
     plugin_priority`).
 
@@ -217,7 +217,7 @@ def kernel_schedule(names: Iterable[str], budgets: np.ndarray, conf_w: np.ndarra
         else:
             codes.append(tp.N_BUILTIN + len(rules))
             rules.append(s.priority)
-    sched = Schedule(
+    sched = SchedulerTable(
         codes=np.array(codes, dtype=np.int64),
         fetches=np.array([s.fetches for s in table], dtype=np.bool_),
         scaled=np.array([s.scaled_budget for s in table], dtype=np.bool_),
