@@ -167,8 +167,8 @@ def check_policies_fit(policies: Sequence[Any], head_dim: int, store: str) -> No
         try:
             make_proxy(proxy).check_head_dim(head_dim)
         except ValueError as exc:
-            raise SpecError(f"grid: configuration {policy.id} ({policy.score.label()}) "
-                            f"cannot run on store {store!r}: {exc}") from None
+            raise SpecError(f"grid: score {policy.score.label()} cannot run on store "
+                            f"{store!r}: {exc}") from None
 
 
 def plan_tasks(spec: SweepSpec) -> TaskPlan:
