@@ -182,7 +182,9 @@ def _check_fit(args: argparse.Namespace) -> None:
     for spec in args.prompt_specs:
         rendered = render_prompt(tokenizer, spec, chat_template=not args.no_chat_template,
                                  max_new_tokens=budget)
-        check_context(rendered, spec, f"{args.prompts}:{spec.line}", context)
+        # what the runner generates: --max-new-tokens overrides the line's own budget
+        new_tokens = args.max_new_tokens or spec.max_new_tokens or budget
+        check_context(rendered, spec, f"{args.prompts}:{spec.line}", context, new_tokens)
 
 
 def _refuse(message: object) -> int:

@@ -218,19 +218,21 @@ def compile_pattern(pattern: str, where: str) -> re2._Regexp:
                           "backreferences or lookaround)") from None
 
 
-def check_context(rendered: TaskPrompt, spec: PromptSpec, where: str, context: int) -> None:
-    """Refuse a rendered prompt whose tokens plus new tokens exceed the model's ``context``.
+def check_context(rendered: TaskPrompt, spec: PromptSpec, where: str, context: int,
+                  new_tokens: int) -> None:
+    """Refuse a rendered prompt whose tokens plus the ``new_tokens`` it will generate exceed
+    the model's ``context``.
 
     Raises
     ------
     PromptError
-        ``FILE:LINE: field 'prompt' ... N tokens + M new tokens, expected at most C``.
+        ``FILE:LINE: field 'prompt' is N tokens + M new tokens = T, expected at most C``.
     """
-    total = rendered.prompt_length + rendered.max_new_tokens
+    total = rendered.prompt_length + new_tokens
     if total > context:
         field = "messages" if spec.messages is not None else "prompt"
         raise PromptError(f"{where}: field {field!r} is {rendered.prompt_length} tokens + "
-                          f"{rendered.max_new_tokens} new tokens = {total}, expected at most "
+                          f"{new_tokens} new tokens = {total}, expected at most "
                           f"{context} (the model's context)")
 
 
