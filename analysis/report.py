@@ -41,6 +41,7 @@ from tracesim.analysis.multiplicity import holm
 from tracesim.analysis.prereg import Preregistration, check_prereg_hash, load_prereg
 from tracesim.analysis.provenance import Provenance, collect_provenance
 from tracesim.analysis.results_io import _read_json, load_outcomes, load_peers, load_results
+from tracesim.analysis.verify_inputs import check_adversary, verify_traces
 
 from tracesim.plugins import provenance
 from tracesim.registry import CLAIM_REGISTRY
@@ -104,6 +105,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     are absent is listed as ``not evaluated`` with the input it lacks.
     """
     prereg = load_prereg(prereg_path)
+    if traces_dir is not None:
+        verify_traces(traces_dir)  # before any claim reads it
     results = summary_r = outcomes = summary_o = None
     load_notes: list[str] = []
     if results_dir is not None:
@@ -133,6 +136,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     for d in (adversary_dir, results_dir):
         if d is not None and (Path(d) / "adversary.json").is_file():
             adversary = _read_json(Path(d) / "adversary.json")
+            check_adversary(adversary, Path(d) / "adversary.json")
             break
     # In-loop fetch runs repeat every (policy, seed) once per fetch scheduler and budget: the
     # outcome claims read plain eviction only (no fetching, or the `none` scheduler).

@@ -7,6 +7,7 @@ imports happen inside :func:`run`.
 from __future__ import annotations
 
 import argparse
+import sys
 
 _TASKS = ("passkey", "multikey", "vartrack", "kvret")  # mirrors tracesim.capture.tasks.TASKS
 
@@ -101,17 +102,107 @@ def parse_indices(text: str | None, option: str) -> list[int] | None:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    """Execute ``tracesim capture``; returns the exit code."""
-    try:
-        from tracesim.outpaths import check_output
+def _check_options(args: argparse.Namespace) -> None:
+    """Every count of the command line in its bound (``tracesim.counts``), before anything
+    loads."""
+    from tracesim.capture.prompts import MAX_NEW_TOKENS
 
-        check_output(args.out, [("prompts file", args.prompts)])
-        args.layer_list = parse_indices(args.layers, "--layers")
-        args.head_list = parse_indices(args.heads, "--heads")
+    from tracesim.counts import SEED_VALUE, Count
+    from tracesim.outpaths import check_output
+
+    check_output(args.out, [("prompts file", args.prompts)])
+    Count("instances per task", 10_000).check(args.n, "--n")
+    Count("tokens", 1 << 20).check(args.length, "--length")
+    Count("tokens", 1 << 20).check(args.window, "--window")
+    if args.max_new_tokens is not None:
+        MAX_NEW_TOKENS.check(args.max_new_tokens, "--max-new-tokens")
+    SEED_VALUE.check(args.seed, "--seed")
+    args.layer_list = parse_indices(args.layers, "--layers")
+    args.head_list = parse_indices(args.heads, "--heads")
+
+
+def _tokenizer_and_context(model: str) -> tuple[object, int | None]:
+    """The model's tokenizer and context length (``max_position_embeddings``) from its
+    tokenizer and config files only: no weight is read, so a prompt that cannot fit is refused
+    before the model loads."""
+    from pathlib import Path
+
+    from tracesim.capture import models
+    from transformers import AutoConfig, AutoTokenizer
+
+    if model == "smollm2":
+        # the converted checkpoint if it exists, else the GGUF's metadata (never its tensors:
+        # smollm2_checkpoint() would convert, which loads the weights)
+        cached = models.cache_dir() / f"{models.SMOLLM2_ID}-v{models._CONVERSION_VERSION}"
+        if (cached / "config.json").is_file():
+            where: dict = {"pretrained_model_name_or_path": cached}
+        else:
+            gguf = models.smollm2_gguf()
+            where = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name}
+    elif Path(model).is_dir():
+        where = {"pretrained_model_name_or_path": Path(model)}
+    else:
+        raise ValueError(f"--model {model[:200]!r}: is neither 'smollm2' nor a local checkpoint "
+                         "directory, expected one of the two")
+    try:
+        config = AutoConfig.from_pretrained(**where, local_files_only=True,
+                                            trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(**where, local_files_only=True,
+                                                  trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ValueError(f"--model {model[:200]}: cannot read its tokenizer and config "
+                         f"({reason}), expected a transformers checkpoint") from None
+    config = getattr(config, "text_config", None) or config
+    context = getattr(config, "max_position_embeddings", None)
+    return tokenizer, context if isinstance(context, int) and context > 0 else None
+
+
+def _check_fit(args: argparse.Namespace) -> None:
+    """Tokenize every prompt (or check ``--length``) against the model's context.
+
+    Raises
+    ------
+    ValueError
+        A :class:`~tracesim.capture.prompts.PromptError` naming the line and the field, or
+        ``--length`` beyond the context.
+    """
+    from tracesim.capture.prompts import check_context, render_prompt
+
+    tokenizer, context = _tokenizer_and_context(args.model)
+    if context is None:  # a config without a context length: nothing to check against
+        return
+    budget = args.max_new_tokens or 32  # the runner's default
+    if args.prompt_specs is None:
+        if args.length + budget > context:
+            raise ValueError(f"--length {args.length} + {budget} new tokens exceeds the "
+                             f"model's context of {context} tokens, expected at most "
+                             f"{context - budget}")
+        return
+    for spec in args.prompt_specs:
+        rendered = render_prompt(tokenizer, spec, chat_template=not args.no_chat_template,
+                                 max_new_tokens=budget)
+        # what the runner generates: --max-new-tokens overrides the line's own budget
+        new_tokens = args.max_new_tokens or spec.max_new_tokens or budget
+        check_context(rendered, spec, f"{args.prompts}:{spec.line}", context, new_tokens)
+
+
+def _refuse(message: object) -> int:
+    print(f"tracesim capture: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``tracesim capture``; returns the exit code.
+
+    Everything about the inputs is checked before the model's weights load (and before the
+    store directory is created): option bounds, the whole prompts file, and every prompt's
+    token count against the model's context (tokenizer and config only).
+    """
+    try:
+        _check_options(args)
     except ValueError as exc:
-        print(f"tracesim capture: {exc}")
-        return 2
+        return _refuse(exc)
     args.prompt_specs = None
     if args.prompts is not None:
         from tracesim.capture.prompts import PromptError, load_prompts
@@ -119,19 +210,18 @@ def run(args: argparse.Namespace) -> int:
         try:
             args.prompt_specs = load_prompts(args.prompts)
         except PromptError as exc:
-            print(f"tracesim capture: {exc}")
-            return 2
+            return _refuse(exc)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in _TASKS]
     if unknown or not tasks:
-        print(f"tracesim capture: unknown task(s) {unknown}; expected some of {', '.join(_TASKS)}")
-        return 2
-    if args.n < 1 or args.length < 1 or args.window < 1:
-        print("tracesim capture: --n, --length and --window must be positive")
-        return 2
+        return _refuse(f"--tasks: unknown task(s) {unknown}; expected some of "
+                       f"{', '.join(_TASKS)}")
     if args.depth is not None and not 0.0 <= args.depth <= 1.0:
-        print("tracesim capture: --depth must lie in [0, 1]")
-        return 2
+        return _refuse("--depth must lie in [0, 1]")
+    try:
+        _check_fit(args)
+    except (ValueError, FileNotFoundError) as exc:
+        return _refuse(exc)
 
     import torch
     from tracesim.capture.runner import accuracy_table
@@ -144,8 +234,7 @@ def run(args: argparse.Namespace) -> int:
         summary = _run(args, tasks, device, compute)
     except (ValueError, FileNotFoundError) as exc:
         # Bad lengths, a store holding another model (StoreError), a missing checkpoint.
-        print(f"tracesim capture: {exc}")
-        return 2
+        return _refuse(exc)
     print(f"wrote {len(summary.written)} sequence(s), skipped {len(summary.skipped)} already "
           f"stored, into {args.out}")
     if summary.written:

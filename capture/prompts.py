@@ -19,20 +19,31 @@ Fields (anything else is an error):
 ``answer`` (str, optional) and ``grader`` (``exact`` | ``contains`` | ``regex``, default
 ``contains`` when an answer is given)
     How ``correct`` is computed from the generated text; without an answer, ``correct`` is null.
-``task`` (str, default ``"custom"``) and ``max_new_tokens`` (int >= 1, optional).
+``task`` (str, default ``"custom"``) and ``max_new_tokens`` (int in [1, 32768], optional).
+
+Bounds (``docs/threat-model.md``), checked before the model loads: at most
+:data:`MAX_PROMPT_LINES` prompts, :data:`MAX_LINE_BYTES` bytes per line, :data:`MAX_MESSAGES`
+messages per prompt and :data:`MAX_PATTERN_BYTES` bytes per regex answer; ``tracesim capture``
+then tokenizes every prompt (tokenizer and config only, no weights) and refuses one whose tokens
+plus its new tokens exceed the model's context (:func:`check_context`). Regex graders run on
+RE2 (``google-re2``): matching is linear in the text, so no pattern can backtrack
+catastrophically; patterns RE2 does not support (backreferences, lookaround) are refused.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import re2
 from tracesim.capture.tasks import TaskPrompt
 
-__all__ = ["GRADERS", "PromptError", "PromptSpec", "grade_answer", "load_prompts",
-           "render_prompt"]
+from tracesim.counts import Count
+
+__all__ = ["GRADERS", "MAX_LINE_BYTES", "MAX_MESSAGES", "MAX_NEW_TOKENS", "MAX_PATTERN_BYTES",
+           "MAX_PROMPT_LINES", "PromptError", "PromptSpec", "check_context", "compile_pattern",
+           "grade_answer", "load_prompts", "render_prompt"]
 
 GRADERS = ("exact", "contains", "regex")
 FIELDS = ("id", "prompt", "messages", "question", "answer", "grader", "task", "max_new_tokens")
@@ -40,6 +51,26 @@ ROLES = ("system", "user", "assistant")
 _CTX, _Q = "\x00CONTEXT\x00", "\x00QUESTION\x00"
 #: Largest prompts file accepted (bytes); 64 MiB holds thousands of 128k-token prompts.
 MAX_PROMPTS_BYTES = 64 << 20
+#: Largest line (bytes): about 500k tokens of English, beyond every context tracesim captures;
+#: a 10 MB line would otherwise be tokenized (and allocated) in full before anything refused it.
+MAX_LINE_BYTES = 2 << 20
+#: Most prompt lines (non-blank) in one file.
+MAX_PROMPT_LINES = 100_000
+#: Most messages in one prompt (a chat template renders each).
+MAX_MESSAGES = 1000
+#: Largest regex answer (bytes); RE2 bounds its own memory, this bounds the compile time.
+MAX_PATTERN_BYTES = 4096
+#: ``max_new_tokens`` of a prompt line or of ``--max-new-tokens``.
+MAX_NEW_TOKENS = Count("new tokens", 1 << 15)
+
+
+def _re2_options() -> re2.Options:
+    options = re2.Options()
+    options.log_errors = False  # a refused pattern is our one-line message, not an absl log
+    return options
+
+
+_RE2_OPTIONS = _re2_options()
 
 
 class PromptError(ValueError):
@@ -89,6 +120,9 @@ def _check_line(obj: Any, where: str) -> PromptSpec:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise bad("messages", "a non-empty list of {'role', 'content'} objects")
+        if len(msgs) > MAX_MESSAGES:
+            raise PromptError(f"{where}: field 'messages' lists {len(msgs)} messages, expected "
+                              f"at most {MAX_MESSAGES}")
         for i, m in enumerate(msgs):
             if (not isinstance(m, dict) or set(m) != {"role", "content"}
                     or m["role"] not in ROLES or not isinstance(m["content"], str)):
@@ -108,14 +142,10 @@ def _check_line(obj: Any, where: str) -> PromptSpec:
         raise PromptError(f"{where}: field 'grader' is {grader!r} but there is no 'answer' to "
                           "grade against; expected an 'answer' field")
     if grader == "regex":
-        try:
-            re.compile(obj["answer"])
-        except re.error as exc:
-            raise PromptError(f"{where}: field 'answer' is not a valid regular expression "
-                              f"({exc}), expected one since grader is 'regex'") from None
+        compile_pattern(obj["answer"], where)
     mnt = obj.get("max_new_tokens")
-    if mnt is not None and (isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1):
-        raise bad("max_new_tokens", "an integer >= 1")
+    if mnt is not None:
+        MAX_NEW_TOKENS.check(mnt, f"{where}: field 'max_new_tokens'", PromptError)
     return PromptSpec(id=obj["id"], line=0, prompt=obj.get("prompt"), messages=obj.get("messages"),
                       question=obj.get("question"), answer=obj.get("answer"),
                       grader=grader or ("contains" if "answer" in obj else None),
@@ -145,6 +175,13 @@ def load_prompts(path: str | Path) -> list[PromptSpec]:
         if not raw.strip():
             continue
         where = f"{path}:{n}"
+        if len(out) >= MAX_PROMPT_LINES:
+            raise PromptError(f"{where}: more than {MAX_PROMPT_LINES} prompts, expected at most "
+                              f"{MAX_PROMPT_LINES} per file")
+        size = len(raw.encode("utf-8", "surrogatepass"))
+        if size > MAX_LINE_BYTES:
+            raise PromptError(f"{where}: line has {size} bytes, expected at most "
+                              f"{MAX_LINE_BYTES}")
         # loads_json: duplicate keys refused, nesting depth scanned before parsing
         obj = loads_json(raw, where, error=PromptError)
         spec = _check_line(obj, where)
@@ -158,12 +195,53 @@ def load_prompts(path: str | Path) -> list[PromptSpec]:
     return out
 
 
+def compile_pattern(pattern: str, where: str) -> re2._Regexp:
+    """A regex answer compiled by RE2 (linear-time matching; no catastrophic backtracking).
+
+    Raises
+    ------
+    PromptError
+        Naming ``where`` and the field if the pattern is too long or RE2 refuses it.
+    """
+    size = len(pattern.encode("utf-8", "surrogatepass"))
+    if size > MAX_PATTERN_BYTES:
+        raise PromptError(f"{where}: field 'answer' is a {size}-byte regular expression, "
+                          f"expected at most {MAX_PATTERN_BYTES} bytes")
+    try:
+        return re2.compile(pattern, options=_RE2_OPTIONS)
+    except (re2.error, ValueError, TypeError) as exc:
+        arg = exc.args[0] if exc.args else exc
+        text = arg.decode("utf-8", "replace") if isinstance(arg, bytes) else str(arg)
+        reason = " ".join(text.split())[:120]
+        raise PromptError(f"{where}: field 'answer' is not a regular expression RE2 accepts "
+                          f"({reason}), expected one since grader is 'regex' (no "
+                          "backreferences or lookaround)") from None
+
+
+def check_context(rendered: TaskPrompt, spec: PromptSpec, where: str, context: int,
+                  new_tokens: int) -> None:
+    """Refuse a rendered prompt whose tokens plus the ``new_tokens`` it will generate exceed
+    the model's ``context``.
+
+    Raises
+    ------
+    PromptError
+        ``FILE:LINE: field 'prompt' is N tokens + M new tokens = T, expected at most C``.
+    """
+    total = rendered.prompt_length + new_tokens
+    if total > context:
+        field = "messages" if spec.messages is not None else "prompt"
+        raise PromptError(f"{where}: field {field!r} is {rendered.prompt_length} tokens + "
+                          f"{new_tokens} new tokens = {total}, expected at most "
+                          f"{context} (the model's context)")
+
+
 def grade_answer(grader: str | None, generated: str, answer: str | None) -> bool | None:
     """``correct`` of a generated text: None without an answer.
 
     ``exact``: the text, stripped of surrounding whitespace and of one trailing ``.``, equals the
-    answer (stripped); ``contains``: the answer occurs in the text; ``regex``: ``re.search``
-    finds the answer pattern in the text. All are case-sensitive.
+    answer (stripped); ``contains``: the answer occurs in the text; ``regex``: RE2's ``search``
+    finds the answer pattern in the text (linear time). All are case-sensitive.
     """
     if answer is None or grader is None:
         return None
@@ -173,7 +251,7 @@ def grade_answer(grader: str | None, generated: str, answer: str | None) -> bool
     if grader == "contains":
         return answer in generated
     if grader == "regex":
-        return re.search(answer, generated) is not None
+        return re2.compile(answer, options=_RE2_OPTIONS).search(generated) is not None
     raise ValueError(f"unknown grader {grader!r}; expected one of {GRADERS}")
 
 

@@ -23,6 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
+from tests.hostile_round3 import build_round3, peers_cases, product_cases, side_input_cases
+
 Case = dict[str, Any]
 _GRID = {"score": "snapkv", "design": "topk", "budget": 0.5,
          "score_params": {"snapkv": {"window": 8}}}
@@ -74,7 +76,8 @@ def build_inputs(root: Path) -> dict[str, str]:
     os.mkfifo(root / "fifo.yaml")
     os.symlink(root / "specs" / "loop.yaml", root / "specs" / "loop.yaml")
     grid = _spec(root, "evict.yaml", {"grid": _GRID, "seeds": 1})
-    return {"root": str(root), "store": str(store), "results": str(results),
+    round3 = build_round3(root, store)
+    return {**round3, "root": str(root), "store": str(store), "results": str(results),
             "export": str(root / "export"), "deep": str(deep), "dup": str(dup),
             "loop": str(loop), "fifo": str(root / "fifo.yaml"), "grid": grid}
 
@@ -317,7 +320,10 @@ def internal_error_cases(p: dict[str, str]) -> list[Case]:
 
 FAMILIES = {"1 bombs": bomb_cases, "2 special files": special_file_cases,
             "3 counts": count_cases, "4 outputs": output_cases,
-            "8 internal errors": internal_error_cases}
+            "8 internal errors": internal_error_cases,
+            # round three (#32); capture prompts: tests/test_hostile_capture.py
+            "9 products of sizes": product_cases, "10 peers and tiers": peers_cases,
+            "11 report side inputs": side_input_cases}
 
 
 def all_cases(p: dict[str, str]) -> list[Case]:

@@ -77,7 +77,9 @@ def test_bad_file_exits_2_and_writes_nothing(tmp_path, capsys):
     path = _write(tmp_path / "p.jsonl", [FIVE[0], '{"id": "x", "grader": "exact"}'])
     out = tmp_path / "store"
     assert main(["capture", "--prompts", str(path), "--out", str(out), "--quiet"]) == 2
-    msg = capsys.readouterr().out
+    captured = capsys.readouterr()
+    msg = captured.err  # refusals go to stderr, nothing to stdout
+    assert not captured.out
     assert f"{path}:2:" in msg and "Traceback" not in msg
     assert not out.exists()
 

@@ -18,9 +18,9 @@ from typing import Any
 from tracesim.errors import UsageError
 
 __all__ = ["BOOTSTRAP_REPLICATES", "DECODE_EVERY", "GRID_CONFIGS", "GRID_PARTS", "LAYER_INDEX",
-           "LAYERS", "SEEDS", "SEED_VALUE", "SEQUENCES", "SUMMARY_PAGE", "SYNTH_LAYERS",
-           "SYNTH_POSITIONS", "SYNTH_SEQUENCES", "TIERS_SEEDS", "Count", "check_finite",
-           "parse_int"]
+           "LAYERS", "PAGE", "PEER_INT", "SEEDS", "SEED_VALUE", "SEQUENCES", "SUMMARY_PAGE",
+           "SYNTH_LAYERS", "SYNTH_POSITIONS", "SYNTH_SEQUENCES", "TIERS_SEEDS", "Count",
+           "check_finite", "parse_int", "parse_layers"]
 
 ErrorType = type[Exception]
 
@@ -125,6 +125,10 @@ LAYER_INDEX = Count("layer index", 4095, lo=0)
 SEQUENCES = Count("sequences", 1_000_000)
 #: Page size (positions) of the deterministic-bound summaries; 0 = none.
 SUMMARY_PAGE = Count("positions per summary page", 1 << 20, lo=0)
+#: Positions per page of a memory-tier model or a page-based peer (Quest), and every other
+#: integer parameter of a peer (windows, tables): far beyond any context, within int32.
+PAGE = Count("positions per page", 1 << 20)
+PEER_INT = Count("peer parameter", 1 << 20, lo=0)
 #: Poisson-bootstrap replicates per row (0 = off; 1 is refused where it is checked: a variance
 #: needs two replicates).
 BOOTSTRAP_REPLICATES = Count("bootstrap replicates", 100_000, lo=0)
@@ -138,3 +142,42 @@ GRID_PARTS = Count("grid mappings", 1_000)
 SYNTH_SEQUENCES = Count("sequences", 10_000)
 SYNTH_POSITIONS = Count("positions", 1 << 20)
 SYNTH_LAYERS = Count("layers", 4096)
+
+
+def parse_layers(text: str, n_layers: int, option: str = "--layers",
+                 error: ErrorType = UsageError) -> list[int]:
+    """``START:STOP:STEP`` (parts optional) or ``0,4,8`` as layer indices of a store with
+    ``n_layers`` layers.
+
+    Every number is checked against :data:`LAYER_INDEX` before a range is built, and a layer the
+    store does not have is refused (``0:100000000`` is not cut silently to the store's layers).
+    """
+    s = text.strip()
+    if ":" in s:
+        parts = s.split(":")
+        if len(parts) > 3:
+            raise error(f"{option} {_show(text)}: expected START:STOP:STEP or a comma-separated "
+                        "list of layer indices")
+        start, stop, step = (parts + ["", ""])[:3]
+        lo = parse_int(start, option, LAYER_INDEX, error) if start.strip() else 0
+        hi = (parse_int(stop, option, Count("layer stop", LAYER_INDEX.hi + 1, lo=0), error)
+              if stop.strip() else n_layers)
+        by = parse_int(step, option, Count("layer step", LAYER_INDEX.hi + 1), error) \
+            if step.strip() else 1
+        if hi > n_layers:
+            raise error(f"{option} {_show(text)}: stop {hi} is beyond the store's {n_layers} "
+                        f"layers, expected at most {n_layers}")
+        out = list(range(lo, hi, by))
+    else:
+        items = s.split(",")
+        LAYERS.check_items(items, option, error, distinct=False)  # counted before parsing
+        out = [parse_int(v, option, LAYER_INDEX, error) for v in items]
+        LAYERS.check_items(out, option, error)
+    if not out:
+        raise error(f"{option} {_show(text)}: selects no layer, expected at least one of "
+                    f"[0, {n_layers})")
+    beyond = [v for v in out if v >= n_layers]
+    if beyond:
+        raise error(f"{option}: layer {beyond[0]} is beyond the store's {n_layers} layers, "
+                    f"expected indices in [0, {n_layers})")
+    return out

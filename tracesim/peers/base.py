@@ -100,11 +100,17 @@ class Peer:
     randomized: ClassVar[bool] = True
 
     def _check_ints(self, lo: int, *fields: str) -> None:
-        """Refuse a field that is not an int >= ``lo``, naming the peer and the field."""
+        """Refuse a field that is not an int in ``[lo, PEER_INT.hi]``, naming the peer and the
+        field: every integer parameter of a peer (a page, a window, a table count) is at most
+        2**20, so none can overflow the int32/int64 arithmetic of the kernels."""
+        from tracesim.counts import PEER_INT
+
         for f in fields:
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{self.name}: {f} = {v!r}: expected an int >= {lo}")
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= PEER_INT.hi:
+                shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+                raise ValueError(f"{self.name}: {f} = {shown}: expected an int in "
+                                 f"[{lo}, {PEER_INT.hi}]")
 
     def label(self) -> str:
         raise NotImplementedError

@@ -40,19 +40,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _layers(text: str | None, n_layers: int) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        if ":" in text:
-            parts = [int(v) if v else None for v in text.split(":")]
-            out = list(range(n_layers))[slice(*parts)]
-        else:
-            out = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--layers {text!r}: expected START:STOP:STEP or integers") from None
-    if not out or len(set(out)) != len(out) or not all(0 <= v < n_layers for v in out):
-        raise ValueError(f"--layers {text!r}: expected distinct layers in [0, {n_layers})")
-    return out
+    from tracesim.counts import parse_layers
+
+    return None if text is None else parse_layers(text, n_layers, "--layers", ValueError)
+
+
+def _peer_names(text: str) -> list[str]:
+    """``--peer``: distinct names (a peer given twice would write every row twice under
+    identical keys)."""
+    from tracesim.counts import Count
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    Count("peers", 16).check_items(names, "--peer", ValueError)
+    return names
 
 
 def run_peers(args: argparse.Namespace) -> int:
@@ -67,15 +67,16 @@ def run_peers(args: argparse.Namespace) -> int:
     from tracesim.store import StoreError, open_store
 
     try:
-        if not 1 <= args.seeds <= 4096:
-            raise ValueError(f"--seeds {args.seeds}: expected an integer in [1, 4096]")
+        from tracesim.counts import TIERS_SEEDS
+
+        TIERS_SEEDS.check(args.seeds, "--seeds", ValueError)
         out = check_output(args.out, [("trace store", args.traces)])
         check_file_targets(out, ["peers.parquet", "peers.json"])  # before the replay
         params = loads_json(args.params, "--params")
         if not isinstance(params, dict) or not all(isinstance(v, dict)
                                                    for v in params.values()):
             raise ValueError("--params: expected a JSON mapping {peer: {parameter: value}}")
-        names = [n.strip() for n in args.peer.split(",") if n.strip()]
+        names = _peer_names(args.peer)
         unknown = set(params) - set(names)
         if unknown:
             raise ValueError(f"--params: {sorted(unknown)} not in --peer {names}")

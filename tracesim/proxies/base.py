@@ -49,8 +49,14 @@ class Proxy:
     def validate(self) -> None:
         """Subclass hook: raise ``ValueError`` on invalid hyperparameters."""
 
+    def check_head_dim(self, head_dim: int) -> None:
+        """Subclass hook: raise ``ValueError`` when the proxy cannot serve keys of
+        ``head_dim`` dimensions (checked at planning, from ``model.json``, before any task)."""
+
     def check_trace(self, trace: LayerTrace) -> None:
-        """Subclass hook: raise ``ValueError`` when the proxy cannot serve ``trace``."""
+        """Raise ``ValueError`` when the proxy cannot serve ``trace`` (default: its head
+        dimension, :meth:`check_head_dim`)."""
+        self.check_head_dim(int(trace.keys.shape[2]))
 
     def spec(self) -> str:
         """The spec string that :func:`tracesim.proxies.make_proxy` reads back.

@@ -40,8 +40,8 @@ class LowRankProxy(Proxy):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"lowrank proxy: rank = {self.rank!r}: expected an int >= 1")
 
-    def check_trace(self, trace: LayerTrace) -> None:
-        d = trace.keys.shape[2]
+    def check_head_dim(self, head_dim: int) -> None:
+        d = head_dim
         if self.rank > d:
             raise ValueError(f"lowrank proxy: rank = {self.rank} > head_dim = {d}: expected "
                              f"1 <= rank <= {d}")

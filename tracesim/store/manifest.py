@@ -251,9 +251,10 @@ def read_manifest(root: Path) -> pa.Table:
 
     path = root / MANIFEST_FILE
     try:
-        member_file(root, MANIFEST_FILE)
+        st = member_file(root, MANIFEST_FILE)
         # ParquetFile, not read_table: read_table loads pyarrow.dataset, which imports pandas.
         with pq.ParquetFile(path) as fh:
+            check_manifest_size(fh.metadata, st.st_size, path)  # the footer's counts first
             table = fh.read()
     except FileNotFoundError:
         raise StoreError(f"{root}: {MANIFEST_FILE} is missing, expected one row per "
@@ -268,6 +269,42 @@ def read_manifest(root: Path) -> pa.Table:
         return table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
     except (pa.ArrowException, ValueError) as exc:
         raise StoreError(f"{root}: {MANIFEST_FILE} does not fit its schema ({exc})") from None
+
+
+def check_manifest_size(meta: pq.FileMetaData | None, file_bytes: int, path: Path) -> None:
+    """Bound a manifest by what its footer says before a row is decoded: file bytes, rows,
+    list items (token ids, ...) and decoded bytes (:mod:`tracesim.sizes`).
+
+    Raises
+    ------
+    StoreError
+        Naming the file, the estimate and the limit.
+    """
+    from tracesim.sizes import (
+        MANIFEST_BYTES,
+        MANIFEST_DECODED_BYTES,
+        MANIFEST_ROWS,
+        MANIFEST_VALUES,
+        check_estimate,
+    )
+
+    check_estimate(file_bytes, MANIFEST_BYTES, str(path), "manifest file", StoreError)
+    if meta is None:
+        return
+    check_estimate(meta.num_rows, MANIFEST_ROWS, str(path), "rows (sequences)", StoreError,
+                   unit="rows")
+    values = decoded = 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        decoded += group.total_byte_size
+        for c in range(group.num_columns):
+            column = group.column(c)
+            if ".list." in column.path_in_schema:  # a list column's leaf: one per item
+                values += column.num_values
+    check_estimate(values, MANIFEST_VALUES, str(path), "list items (token ids, query "
+                   "positions, ...)", StoreError, unit="items")
+    check_estimate(decoded, MANIFEST_DECODED_BYTES, str(path), "decoded manifest data",
+                   StoreError)
 
 
 def write_manifest(root: Path, table: pa.Table) -> None:

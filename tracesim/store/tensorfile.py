@@ -226,7 +226,14 @@ class TensorFile:
 
     def __init__(self, path: Path, label: str) -> None:
         self.label = label
+        from tracesim.sizes import ARROW_FOOTER_BYTES, arrow_footer_bytes, check_estimate
+
         try:
+            # the footer holds the schema and its JSON index: bounded before Arrow reads it
+            footer = arrow_footer_bytes(path)
+            if footer is not None:
+                check_estimate(footer, ARROW_FOOTER_BYTES, f"{label}: index (Arrow footer)",
+                               "schema and tensor index", StoreError)
             self._source = pa.memory_map(str(path), "r")
             self._reader = pa.ipc.open_file(self._source)
         except FileNotFoundError:

@@ -25,7 +25,7 @@ from .format import (
     member_path,
     sha256_file,
 )
-from .manifest import NULLABLE, check_checksum, check_row, check_schema
+from .manifest import NULLABLE, check_checksum, check_manifest_size, check_row, check_schema
 from .safe import member_file, parse_model_json
 from .tensorfile import TensorFile, sequence_layout, tensor_name
 
@@ -78,8 +78,11 @@ def _cap(problems: list[str], what: str) -> list[str]:
 
 def _load_manifest(root: Path, problems: list[str]) -> pa.Table | None:
     try:
-        member_file(root, MANIFEST_FILE)
-        table = pq.read_table(root / MANIFEST_FILE)
+        st = member_file(root, MANIFEST_FILE)
+        with pq.ParquetFile(root / MANIFEST_FILE) as fh:
+            # the same bounds as every reader (rows, list items, bytes), before decoding
+            check_manifest_size(fh.metadata, st.st_size, root / MANIFEST_FILE)
+            table = fh.read()
     except StoreError as exc:
         problems.append(str(exc))
         return None

@@ -8,7 +8,9 @@ resubmitted, up to ``retries`` times. ``dask`` submits every task to a ``distrib
 tasks of dead workers itself; ``retries`` covers exceptions.
 
 Both set numba / BLAS threads explicitly per worker and warm the JIT up once per worker (the
-local pool's initializer; a Dask :class:`~distributed.WorkerPlugin`).
+local pool's initializer; a Dask :class:`~distributed.WorkerPlugin`). Workers of the local pool
+and of a LocalCluster exit within about a second when the driver dies, even by ``kill -9``
+(:mod:`tracesim.orphans`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,23 @@ def _context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
+def driver_identity() -> tuple[int, str | None]:
+    """This process's pid and start time: what workers watch (:mod:`tracesim.orphans`)."""
+    import os
+
+    from tracesim.orphans import process_start
+
+    return os.getpid(), process_start(os.getpid())
+
+
+def make_pool(workers: int, threads: int, warm: bool = True) -> ProcessPoolExecutor:
+    """The local backend's pool: forkserver (else spawn) workers that set their threads, warm
+    the JIT up and exit when this driver dies."""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=_context(),
+                               initializer=init_worker,
+                               initargs=(threads, warm, driver_identity()))
+
+
 def run_local(tasks: Sequence[Task], out_dir: str, spec_hash: str, events: Events, *,
               workers: int, threads: int, retries: int = 2,
               warm: bool = True) -> BackendReport:
@@ -70,7 +89,6 @@ def run_local(tasks: Sequence[Task], out_dir: str, spec_hash: str, events: Event
     that raises, or whose worker dies, is resubmitted up to ``retries`` times, then reported
     failed; the others go on.
     """
-    ctx = _context()
     queue: deque[Task] = deque(tasks)
     attempts: dict[str, int] = {}
     restarts = 0
@@ -84,8 +102,7 @@ def run_local(tasks: Sequence[Task], out_dir: str, spec_hash: str, events: Event
             events.failed(task, exc)
 
     while queue:
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
-                                   initializer=init_worker, initargs=(threads, warm))
+        pool = make_pool(workers, threads, warm)
         inflight: dict[Any, Task] = {}
         broken = False
         try:
@@ -133,16 +150,18 @@ def _plugin_class():
 
         name = "tracesim-sweep"
 
-        def __init__(self, threads: int, warm: bool = True) -> None:
+        def __init__(self, threads: int, warm: bool = True,
+                     driver: tuple[int, str | None] | None = None) -> None:
             self.threads = int(threads)
             self.warm = bool(warm)
+            self.driver = driver  # a LocalCluster's workers exit with the driver
 
         async def setup(self, worker: Any) -> None:
             import asyncio
 
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(worker.executors["default"], init_worker,
-                                       self.threads, self.warm)
+                                       self.threads, self.warm, self.driver)
 
     return SweepWorkerPlugin
 
@@ -180,7 +199,9 @@ def run_dask(tasks: Sequence[Task], out_dir: str, spec_hash: str, events: Events
         workers = len(client.nthreads())
         where = f"dask scheduler {scheduler} ({workers} worker(s) now)"
     try:
-        client.register_plugin(_plugin_class()(threads, warm))
+        # workers of our own LocalCluster watch this driver; a shared scheduler's are not ours
+        driver = driver_identity() if cluster is not None else None
+        client.register_plugin(_plugin_class()(threads, warm, driver))
         by_key = {}
         futures = []
         for task in tasks:

@@ -17,14 +17,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracesim.digests import safe_file_stem
 from tracesim.policies import Policy
+from tracesim.policies.grid import SpecError
 from tracesim.safeio import loads_json, read_bytes
 from tracesim.sweep.spec import SweepSpec, code_fingerprint, selected_sequences
 
@@ -146,6 +149,28 @@ def _chunks(costs: list[float], limit: float) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def check_policies_fit(policies: Sequence[Any], head_dim: int, store: str) -> None:
+    """Refuse, at planning, a policy whose per-step proxy cannot serve the store's keys
+    (``lowrank:r`` with ``r > head_dim``): every task would fail at run time otherwise.
+
+    Raises
+    ------
+    SpecError
+        Naming the configuration, the proxy and the store.
+    """
+    from tracesim.proxies import make_proxy
+
+    for policy in policies:
+        proxy = getattr(policy.score, "proxy", None)
+        if proxy is None:
+            continue
+        try:
+            make_proxy(proxy).check_head_dim(head_dim)
+        except ValueError as exc:
+            raise SpecError(f"grid: score {policy.score.label()} cannot run on store "
+                            f"{store!r}: {exc}") from None
+
+
 def plan_tasks(spec: SweepSpec) -> TaskPlan:
     """Partition a sweep into tasks (deterministic: depends on the spec and the stores only).
 
@@ -165,6 +190,7 @@ def plan_tasks(spec: SweepSpec) -> TaskPlan:
     for ref in spec.stores:
         store = open_store(ref.path, require_rows=True)
         m = store.model
+        check_policies_fit(spec.policies, m.head_dim, ref.name)
         model_json = read_bytes(ref.path / "model.json", 1 << 20, "store model.json")
         layers = list(spec.layers) if spec.layers is not None else list(range(m.n_layers))
         layer_chunks = [tuple(layers[i:i + spec.layers_per_task])

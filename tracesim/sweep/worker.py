@@ -121,8 +121,14 @@ def warm_up() -> float:
     return _WARM[0]
 
 
-def init_worker(threads: int, warm: bool = True) -> None:
-    """Process-pool initializer: thread limits, then the JIT warm-up."""
+def init_worker(threads: int, warm: bool = True, driver: tuple[int, str | None] | None = None
+                ) -> None:
+    """Process-pool initializer: exit with the driver (``driver`` = its pid and start time,
+    :func:`tracesim.orphans.watch_driver`), thread limits, then the JIT warm-up."""
+    from tracesim.orphans import watch_driver
+
+    if driver is not None:
+        watch_driver(*driver)
     configure_threads(threads)
     if warm:
         warm_up()

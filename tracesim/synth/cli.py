@@ -47,9 +47,10 @@ def run_synth(args: argparse.Namespace) -> int:
     """Run ``synth``; 0 on success, 2 on a user error."""
     from tracesim.counts import SEED_VALUE, SYNTH_LAYERS, SYNTH_POSITIONS, SYNTH_SEQUENCES
     from tracesim.outpaths import check_output
+    from tracesim.sizes import MEMORY_BYTES, WRITE_BYTES, check_estimate
     from tracesim.store import StoreError
 
-    from .store import SynthConfig, write_synthetic_store
+    from .store import SynthConfig, synth_sizes, write_synthetic_store
 
     try:
         # every count bounded before SynthConfig sizes anything (1e12 positions would be a
@@ -66,6 +67,13 @@ def run_synth(args: argparse.Namespace) -> int:
                           sequences=args.sequences, decode=args.decode, window=args.window,
                           h2o_queries=args.h2o_queries, dtype=args.dtype,
                           o_proj=not args.no_o_proj, seed=args.seed)
+        # each count is within its bound; their product may not be (1M positions x 4096
+        # layers x 10k sequences): estimated before anything is allocated
+        memory, written = synth_sizes(cfg)
+        what = (f"--positions {cfg.positions} x --layers {cfg.n_layers} x --sequences "
+                f"{cfg.sequences} ({cfg.shape}, {cfg.dtype})")
+        check_estimate(memory, MEMORY_BYTES, what, "memory")
+        check_estimate(written, WRITE_BYTES, what, "store written")
     except ValueError as exc:
         print(f"tracesim synth: {exc}", file=sys.stderr)
         return 2

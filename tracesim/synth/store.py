@@ -12,7 +12,7 @@ import numpy as np
 from tracesim.store import ModelMeta, TraceWriter
 from tracesim.store.format import storage_dtype
 
-from .attention import causal_attention, weighted_attention_sums
+from .attention import BLOCK, causal_attention, weighted_attention_sums
 from .model import (
     _H2O,
     _OPROJ,
@@ -180,6 +180,25 @@ def _layer(cfg: SynthConfig, sequence: int, layer: int) -> dict[str, np.ndarray]
         h2o[g * G:(g + 1) * G] = weighted_attention_sums(
             hq, hq_pos, hweight, keys[g], meta.scaling, m, lsum, G).astype(np.float32)
     return dict(keys=keys, values=values, queries=stored_q, outputs=outputs, h2o=h2o)
+
+
+def synth_sizes(cfg: SynthConfig) -> tuple[float, float]:
+    """(peak memory, bytes written) of :func:`write_synthetic_store`, estimated from the
+    configuration alone (nothing is allocated): the o_proj weights are held whole, one layer
+    of one sequence at a time, with the float64 working arrays of the blocked attention."""
+    m = cfg.model()
+    H, n_kv, d, P = m.n_heads, m.n_kv_heads, m.head_dim, cfg.positions
+    G = H // n_kv
+    nq = cfg.decode + 2 * cfg.window + 8  # recorded queries (an upper bound of the layout)
+    hq = min(cfg.h2o_queries, P)
+    item = 2 if cfg.dtype == "float16" else 4
+    o_proj = 4.0 * m.n_layers * m.hidden_size * H * d if cfg.o_proj else 0.0
+    layer = (item * (2 * n_kv * P * d + 2 * H * nq * d) + 4.0 * H * P)
+    working = 8.0 * (G * (nq + hq) * (d + BLOCK + 4) + 2 * P * d + G * P)
+    row = 4.0 * P + 16.0 * P  # token ids, plus the position arrays of the layout
+    memory = o_proj + layer + working + row
+    written = o_proj + cfg.sequences * (m.n_layers * layer + row)
+    return memory, written
 
 
 def _o_proj(cfg: SynthConfig) -> np.ndarray | None:

@@ -123,8 +123,9 @@ class MemoryModel:
                 and math.isfinite(self.hbm_bandwidth_gbps) and self.hbm_bandwidth_gbps > 0):
             raise TierError(f"hbm_bandwidth_gbps = {self.hbm_bandwidth_gbps!r}: expected a "
                             "finite value > 0")
-        if isinstance(self.page, bool) or not isinstance(self.page, int) or self.page < 1:
-            raise TierError(f"page = {self.page!r}: expected an int >= 1")
+        from tracesim.counts import PAGE
+
+        PAGE.check(self.page, "page", TierError)  # 1e12 overflowed the int32 page arithmetic
         if self.bytes_per_element not in (1, 2, 4, 8):
             raise TierError(f"bytes_per_element = {self.bytes_per_element!r}: expected 1, 2, 4 "
                             "or 8")
