@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .attention import LayerAttention, layer_attention
 from .format import (
     MANIFEST_FILE,
     O_PROJ_FILE,
@@ -289,6 +290,15 @@ class TraceStore:
         return {"layers": list(range(m.n_layers)), "kv_heads": list(range(m.n_kv_heads)),
                 "heads": list(range(m.n_heads)), "model_n_layers": m.n_layers,
                 "model_n_heads": m.n_heads, "model_n_kv_heads": m.n_kv_heads}
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """How stored ``layer`` attends: sliding window, soft-cap, sinks (``model.json``'s
+        optional fields, see :mod:`tracesim.store.attention`); full and plain when absent."""
+        kept = self.kept
+        layer = _check_index(layer, len(kept["layers"]), "layer")
+        return layer_attention(self._model_json, int(kept["layers"][layer]),
+                               [int(h) for h in kept["heads"]], int(kept["model_n_layers"]),
+                               int(kept["model_n_heads"]))
 
     @property
     def is_subset(self) -> bool:
