@@ -56,6 +56,9 @@ class TraceSequence:
         ``all``).
     path : Path
         The tensor file.
+    has_sinks : bool
+        The model has learned sinks (``model.json`` ``sinks``): the h2o scores then sum to at
+        most ``prompt_length`` (each sink keeps a share).
 
     Notes
     -----
@@ -67,6 +70,7 @@ class TraceSequence:
     def __init__(self, model: ModelMeta, root: Path, meta: dict[str, Any]) -> None:
         self.model = model
         self.meta = meta
+        self.has_sinks = False
         self.sequence_id: str = meta["sequence_id"]
         label = f"{MANIFEST_FILE}: sequence {self.sequence_id!r}"
         self.path = member_path(root, meta["file"], label)
@@ -214,7 +218,7 @@ class TraceSequence:
         arr = self._read("h2o", "h2o", layer, head, self.model.n_heads,
                          (self.n_positions,), "float32")
         where = f"{self.file}: field 'h2o' of layer {int(layer)} head {int(head)}"
-        problems = check_h2o(arr, where, int(self.meta["prompt_length"]))
+        problems = check_h2o(arr, where, int(self.meta["prompt_length"]), self.has_sinks)
         if problems:
             raise StoreError(problems[0])
         return arr
@@ -269,7 +273,9 @@ class TraceStore:
         except KeyError:
             raise KeyError(f"{self.path}: no sequence {sequence_id!r}") from None
         meta = self.manifest.slice(i, 1).to_pylist()[0]
-        return TraceSequence(self.model, self.path, meta)
+        seq = TraceSequence(self.model, self.path, meta)
+        seq.has_sinks = self._model_json.get("sinks") is not None
+        return seq
 
     def __iter__(self) -> Iterator[TraceSequence]:
         for sequence_id in self._ids:
