@@ -112,3 +112,18 @@ def test_a_sliding_layers_budget_is_a_share_of_its_window():
         expected = tables.pi[e, :, :t].sum(axis=1)
         assert (expected <= 0.3 * min(t, 24) + 3 + 1e-9).all(), (t, expected)
         assert (expected < 0.3 * t - 20).all(), (t, expected)  # not a share of the prefix
+
+
+def test_exact_per_step_proxy_is_the_variant_attention():
+    """The per-step score's exact proxy forms the softmax as the model does (cap, window, sink):
+    it equals the layer's true attention rows."""
+    trace = dataclasses.replace(synthetic_trace(5, o_proj=False), **VARIANTS["all"])
+    score = make_policy("perstep", "poisson", 0.3, schedule="step",
+                        score_params={"window": 8, "proxy": "exact"}).score
+    qi = evaluated_queries(trace)[-1]
+    t = int(trace.query_positions[qi])
+    heads = list(trace.group(1))
+    w = score._step_attention(trace, 1, heads, t)
+    for a, h in enumerate(heads):
+        np.testing.assert_allclose(w[a], trace.attention(h, qi)[:t + 1], rtol=1e-12,
+                                   atol=1e-15)
