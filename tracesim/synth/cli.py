@@ -41,11 +41,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seed of the generative model (same seed, byte-identical store)")
     p.add_argument("--sliding-window", type=int, default=None, metavar="W",
                    help="make layers sliding-window layers of window W (the query at t attends "
-                        "(t - W, t]); every --full-every-th layer stays full (Gemma 3 style)")
+                        "(t - W, t]); every --full-every-th layer stays full (Gemma 3 style); "
+                        "default: every layer full")
     p.add_argument("--full-every", type=int, default=6, metavar="K",
                    help="with --sliding-window: every K-th layer is full (default 6)")
     p.add_argument("--softcap", type=float, default=None, metavar="C",
-                   help="attention-logit soft-cap C: logits C*tanh(s/C) (Gemma 2 style)")
+                   help="attention-logit soft-cap C: logits C*tanh(s/C) (Gemma 2 style); "
+                        "default: no cap")
     p.add_argument("--sinks", action="store_true",
                    help="a learned sink logit per layer and query head (gpt-oss style)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
