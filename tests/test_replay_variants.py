@@ -127,3 +127,26 @@ def test_exact_per_step_proxy_is_the_variant_attention():
     for a, h in enumerate(heads):
         np.testing.assert_allclose(w[a], trace.attention(h, qi)[:t + 1], rtol=1e-12,
                                    atol=1e-15)
+
+
+def test_output_space_certificate_of_a_variant_layer_matches_the_public_one():
+    """The replay's GQA output-space certificate on a sliding, soft-capped sink layer equals
+    :func:`tracesim.output_space_certificate` given the same window, cap and sinks."""
+    from tracesim import output_space_certificate
+
+    trace = dataclasses.replace(synthetic_trace(5), **{**VARIANTS["all"], "window": 40})
+    policy = make_policy("snapkv", "poisson", 0.5, score_params={"window": 8},
+                         design_params={"mixture": 0.1})
+    seeds = np.array([0])
+    res = replay_layer(trace, [policy], seeds, n_layers=4)
+    e = res.tables.slot_ev[res.tables.it_slot[0]]
+    pi = res.tables.pi[e]
+    u = seed_uniforms(seeds, 0, trace.n_kv_heads, trace.n_positions)[0]
+    qi = res.query_index
+    cert = output_space_certificate(trace.queries[:, qi], trace.keys, trace.values, pi, u < pi,
+                                    trace.o_proj, scale=trace.scale,
+                                    query_positions=res.query_positions, window=trace.window,
+                                    softcap=trace.softcap, sinks=trace.sinks)
+    np.testing.assert_allclose(res.lout[0, :, K.L_CERT2], cert.variance_trace, rtol=1e-8,
+                               atol=1e-14)
+    assert (cert.variance_trace > 0).all()
