@@ -104,7 +104,7 @@ def test_sliding_window_population_is_the_window_and_monte_carlo_agrees():
     """A sliding layer's query at t attends (t - w, t]: keys before the window are not in the
     population (kept or not, they change nothing), the tail population counts the window only,
     and 4000 fixed-seed Poisson draws give a mean squared error within 20 % of the mean
-    certificate at a tail of about 24 tokens."""
+    certificate at a tail of about 18 tokens (measured: 0.94)."""
     rng = np.random.default_rng(7)
     N, d, w, t = 80, 4, 50, 79
     keys, values, q = rng.normal(size=(N, d)), rng.normal(size=(N, d)), rng.normal(size=d)
