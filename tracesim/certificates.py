@@ -27,6 +27,9 @@ def bootstrap_certificate(
     seed: int | np.random.Generator = 0,
     scale: float | None = None,
     query_positions: np.ndarray | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sink: float | None = None,
     replicate_weights: np.ndarray | None = None,
     per_coordinate: bool = False,
 ) -> np.ndarray:
@@ -42,6 +45,8 @@ def bootstrap_certificate(
     ----------
     query, keys, values, inclusion_probabilities, kept, scale, query_positions
         As for :func:`tracesim.hajek_attention`.
+    window, softcap, sink
+        The layer's attention variant, as for :func:`tracesim.hajek_attention`.
     n_replicates : int, default 200
     seed : int or numpy.random.Generator
         Replicate weights come from ``numpy.random.default_rng(seed)``: derive the seed from
@@ -69,8 +74,9 @@ def bootstrap_certificate(
     if int(n_replicates) < 2:
         raise ValueError(f"n_replicates = {n_replicates}: expected at least 2")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    variant = dict(window=window, softcap=softcap, sink=sink)
     base = hajek_attention(query, keys, values, pi, keep, scale=scale, variance="trace",
-                           query_positions=query_positions)
+                           query_positions=query_positions, **variant)
     tail = keep & (pi < 1)
     shape = 1.0 / (1.0 - pi[tail])
     gamma_scale = 1.0 - pi[tail]
@@ -83,7 +89,8 @@ def bootstrap_certificate(
         # would mean -inf; floor it.
         offset[tail] = np.log(np.maximum(weights, 1e-300))
         rep = hajek_attention(query, keys, values, pi, keep, scale=scale, variance="trace",
-                              query_positions=query_positions, logit_offset=offset)
+                              query_positions=query_positions, logit_offset=offset,
+                              **variant)
         dev2 = (rep.estimate - base.estimate) ** 2
         acc += dev2 if per_coordinate else dev2.sum(axis=-1)
     return acc / int(n_replicates)
