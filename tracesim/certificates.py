@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tracesim.estimators import _as_float64_2d, hajek_attention
-from tracesim.kernels.attention import output_space_batch
+from tracesim.estimators import _as_float64_2d, hajek_attention, logit_rule
+from tracesim.kernels.attention import NO_SINK, KeptTokens, output_space_batch
 
 __all__ = ["OutputSpaceCertificate", "bootstrap_certificate", "output_space_certificate"]
 
@@ -27,6 +27,9 @@ def bootstrap_certificate(
     seed: int | np.random.Generator = 0,
     scale: float | None = None,
     query_positions: np.ndarray | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sink: float | None = None,
     replicate_weights: np.ndarray | None = None,
     per_coordinate: bool = False,
 ) -> np.ndarray:
@@ -42,6 +45,8 @@ def bootstrap_certificate(
     ----------
     query, keys, values, inclusion_probabilities, kept, scale, query_positions
         As for :func:`tracesim.hajek_attention`.
+    window, softcap, sink
+        The layer's attention variant, as for :func:`tracesim.hajek_attention`.
     n_replicates : int, default 200
     seed : int or numpy.random.Generator
         Replicate weights come from ``numpy.random.default_rng(seed)``: derive the seed from
@@ -69,8 +74,9 @@ def bootstrap_certificate(
     if int(n_replicates) < 2:
         raise ValueError(f"n_replicates = {n_replicates}: expected at least 2")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    variant = dict(window=window, softcap=softcap, sink=sink)
     base = hajek_attention(query, keys, values, pi, keep, scale=scale, variance="trace",
-                           query_positions=query_positions)
+                           query_positions=query_positions, **variant)
     tail = keep & (pi < 1)
     shape = 1.0 / (1.0 - pi[tail])
     gamma_scale = 1.0 - pi[tail]
@@ -83,7 +89,8 @@ def bootstrap_certificate(
         # would mean -inf; floor it.
         offset[tail] = np.log(np.maximum(weights, 1e-300))
         rep = hajek_attention(query, keys, values, pi, keep, scale=scale, variance="trace",
-                              query_positions=query_positions, logit_offset=offset)
+                              query_positions=query_positions, logit_offset=offset,
+                              **variant)
         dev2 = (rep.estimate - base.estimate) ** 2
         acc += dev2 if per_coordinate else dev2.sum(axis=-1)
     return acc / int(n_replicates)
@@ -132,6 +139,9 @@ def output_space_certificate(
     *,
     scale: float | None = None,
     query_positions: np.ndarray | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> OutputSpaceCertificate:
     """Linearized variance of a layer's attention output after ``o_proj``, under GQA.
 
@@ -146,8 +156,10 @@ def output_space_certificate(
     kept : ndarray of bool, shape (n_kv_heads, N)
     o_proj : ndarray, shape (hidden, n_heads * d)
         The layer's output projection (``o_proj.weight``); columns ``h*d:(h+1)*d`` are ``W_O,h``.
-    scale, query_positions
+    scale, query_positions, window, softcap
         As for :func:`tracesim.hajek_attention`.
+    sinks : ndarray, shape (n_heads,), optional
+        Per-query-head sink logits (``sink`` of :func:`tracesim.hajek_attention`).
 
     Returns
     -------
@@ -172,6 +184,9 @@ def output_space_certificate(
     scale = d**-0.5 if scale is None else float(scale)
     qpos = (np.full(n_q, -1, dtype=np.int64) if query_positions is None
             else np.asarray(query_positions, dtype=np.int64).reshape(n_q))
+    sink_row = (np.full(n_heads, NO_SINK) if sinks is None
+                else np.asarray(sinks, dtype=np.float64).reshape(n_heads))
+    rule, _ = logit_rule(scale, window, softcap, None)
     head_est = np.empty((n_heads, n_q, dv))
     group_var = np.empty((n_kv, n_q))
     for g in range(n_kv):
@@ -179,15 +194,18 @@ def output_space_certificate(
         for h in range(g * G, (g + 1) * G):
             hajek_attention(qs[h], ks[g], vs[g], pi[g], keep[g], scale=scale,
                             variance="trace", query_positions=qpos if query_positions is not None
-                            else None)
+                            else None, window=window, softcap=softcap,
+                            sink=None if sinks is None else float(sink_row[h]))
         idx = np.flatnonzero(keep[g])
         block = w[:, g * G * dv:(g + 1) * G * dv]
         gram = np.ascontiguousarray(block.T @ block)
         est = np.empty((G, n_q, dv))
-        output_space_batch(np.ascontiguousarray(qs[g * G:(g + 1) * G]), qpos,
-                           np.ascontiguousarray(ks[g][idx]), np.ascontiguousarray(vs[g][idx]),
-                           pi[g][idx], np.arange(N, dtype=np.int64)[idx], gram, scale,
-                           est, group_var[g])
+        kept_g = KeptTokens(np.ascontiguousarray(ks[g][idx]), np.ascontiguousarray(vs[g][idx]),
+                            np.ascontiguousarray(pi[g][idx]), np.zeros(idx.size),
+                            np.arange(N, dtype=np.int64)[idx])
+        output_space_batch(np.ascontiguousarray(qs[g * G:(g + 1) * G]), qpos, kept_g, rule,
+                           np.ascontiguousarray(sink_row[g * G:(g + 1) * G]), gram, est,
+                           group_var[g])
         head_est[g * G:(g + 1) * G] = est
     output = np.einsum("hqd,ohd->qo", head_est, w.reshape(w.shape[0], n_heads, dv))
     return OutputSpaceCertificate(head_estimates=head_est, group_variance=group_var,

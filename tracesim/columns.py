@@ -22,7 +22,7 @@ __all__ = ["BOOTSTRAP_DOCS", "COLUMN_DOCS", "DESCRIPTION_KEY", "INT_SENTINELS", 
 DESCRIPTION_KEY = b"description"
 
 #: Integer sentinels that mean "not applicable" in memory: column -> value.
-INT_SENTINELS: dict[str, int] = {"seed": -1, "every": 0}
+INT_SENTINELS: dict[str, int] = {"seed": -1, "every": 0, "layer_window": 0}
 #: String columns whose empty string means "not applicable" (an empty answer is a value).
 EMPTY_STRING_NULL = frozenset({"budget_unit", "allocator", "design_kind", "design_params",
                                "task"})
@@ -44,6 +44,10 @@ COLUMN_DOCS: dict[str, str] = {
     "query_role": "role of the query: context_window, question_window, decode or all",
     "prompt_length": "prompt tokens of the sequence",
     "n_positions": "stored positions (prompt + generated tokens)",
+    "attention_kind": "how the layer attends: full, or sliding (a window of layer_window "
+                      "positions, model.json field layer_attention)",
+    "layer_window": "the sliding layer's window w: its query at t attends (t - w, t]; null for "
+                    "a full layer",
     # configuration
     "config_id": "stable id of the policy (score|design|correction|budget|schedule)",
     "score": "importance score (streaming, h2o, snapkv, tova, knorm, vnorm, keyformer, "

@@ -16,9 +16,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracesim.kernels.attention import VARIANCE_FIXED, VARIANCE_POISSON, hajek_batch
+from tracesim.kernels.attention import (
+    NO_SINK,
+    VARIANCE_FIXED,
+    VARIANCE_POISSON,
+    EstimateOptions,
+    EstimateOutputs,
+    KeptTokens,
+    LogitRule,
+    hajek_batch,
+)
 
-__all__ = ["AttentionEstimate", "full_attention", "hajek_attention"]
+__all__ = ["AttentionEstimate", "full_attention", "hajek_attention", "logit_rule"]
 
 _VARIANCE_LEVELS = ("trace", "diag", "full")
 _DESIGN_VARIANCE = {"poisson": VARIANCE_POISSON, "fixed": VARIANCE_FIXED}
@@ -118,6 +127,9 @@ def hajek_attention(
     query_positions: np.ndarray | None = None,
     key_positions: np.ndarray | None = None,
     logit_offset: np.ndarray | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sink: float | None = None,
 ) -> AttentionEstimate:
     """Estimate attention from a kept subset of the cache, with its error certificate.
 
@@ -148,6 +160,14 @@ def hajek_attention(
         Positions of the tokens (strictly increasing); default ``arange(N)``.
     logit_offset : ndarray, shape (N,), optional
         Extra additive logit offset per token (e.g. log bootstrap weights).
+    window : int, optional
+        Sliding-window layer: a query at position ``t`` attends ``(t - window, t]`` only (needs
+        ``query_positions``). Default: full attention.
+    softcap : float, optional
+        Attention-logit soft-cap ``c``: logits ``c * tanh(scale * q.k / c)`` (Gemma 2).
+    sink : float, optional
+        The head's learned sink logit (gpt-oss): ``exp(sink)`` enters the denominator with
+        value zero, a take-all term that adds no variance (see ``docs/math.md`` section 4b).
 
     Returns
     -------
@@ -205,6 +225,9 @@ def hajek_attention(
     scale = d**-0.5 if scale is None else float(scale)
     if not (np.isfinite(scale) and scale > 0):
         raise ValueError(f"scale = {scale}: expected a finite float > 0")
+    rule, sink_logit = logit_rule(scale, window, softcap, sink)
+    if rule.window and query_positions is None:
+        raise ValueError("window needs query_positions (a sliding window is relative to them)")
 
     idx = np.flatnonzero(keep)
     kk, vk = np.ascontiguousarray(k[idx]), np.ascontiguousarray(v[idx])
@@ -212,21 +235,25 @@ def hajek_attention(
     dv = v.shape[1]
     want_diag = variance in ("diag", "full")
     want_full = variance == "full"
-    est = np.empty((n_q, dv))
-    diag = np.empty((n_q, dv if want_diag else 1))
-    full = np.empty((n_q, dv, dv) if want_full else (n_q, 1, 1))
-    trace, trace_sq, n_eff = np.empty(n_q), np.full(n_q, np.nan), np.empty(n_q)
-    tail_size = np.zeros(n_q, dtype=np.int64)
-    visible = np.empty(n_q, dtype=np.int64)
-    hajek_batch(q, qpos, kk, vk, pk, ok, posk, scale, bool(correction),
-                _DESIGN_VARIANCE[design_variance], want_diag, want_full,
-                est, diag, full, trace, trace_sq, tail_size, n_eff, visible)
+    out = EstimateOutputs(
+        est=np.empty((n_q, dv)), diag=np.empty((n_q, dv if want_diag else 1)),
+        full=np.empty((n_q, dv, dv) if want_full else (n_q, 1, 1)), trace=np.empty(n_q),
+        trace_sq=np.full(n_q, np.nan), tail_size=np.zeros(n_q, dtype=np.int64),
+        n_eff=np.empty(n_q), visible=np.empty(n_q, dtype=np.int64))
+    opts = EstimateOptions(bool(correction), _DESIGN_VARIANCE[design_variance], want_diag,
+                           want_full)
+    hajek_batch(q, qpos, KeptTokens(kk, vk, pk, ok, posk), rule, sink_logit, opts, out)
+    est, diag, full, trace, trace_sq = out.est, out.diag, out.full, out.trace, out.trace_sq
+    tail_size, n_eff, visible = out.tail_size, out.n_eff, out.visible
     if (visible == 0).any():
         r = int(np.flatnonzero(visible == 0)[0])
         raise ValueError(f"query {r} (position {qpos[r]}) sees no kept token")
     tail_positions = positions[pi < 1]
     tail_population = np.where(qpos < 0, tail_positions.size,
                                np.searchsorted(tail_positions, qpos, side="right"))
+    if rule.window:
+        tail_population = tail_population - np.searchsorted(tail_positions, qpos - rule.window,
+                                                            side="right")
 
     def pick(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else (a[0] if single else a)
@@ -248,6 +275,9 @@ def full_attention(
     *,
     scale: float | None = None,
     query_positions: np.ndarray | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sink: float | None = None,
 ) -> np.ndarray:
     """Exact softmax attention over every token (the full-cache reference), float64.
 
@@ -260,6 +290,8 @@ def full_attention(
         Default ``d ** -0.5``.
     query_positions : ndarray of int, shape (n_q,), optional
         Causal positions (a query sees tokens ``0..position``).
+    window, softcap, sink : optional
+        As for :func:`hajek_attention`: the truth of a sliding, soft-capped or sink layer.
 
     Returns
     -------
@@ -267,4 +299,27 @@ def full_attention(
     """
     N = np.shape(keys)[0]
     return hajek_attention(query, keys, values, np.ones(N), scale=scale, variance="trace",
-                           query_positions=query_positions).estimate
+                           query_positions=query_positions, window=window, softcap=softcap,
+                           sink=sink).estimate
+
+
+def logit_rule(scale: float, window: int | None = None, softcap: float | None = None,
+               sink: float | None = None) -> tuple[LogitRule, float]:
+    """The kernels' :class:`~tracesim.kernels.attention.LogitRule` and sink logit, checked.
+
+    Raises
+    ------
+    ValueError
+        On a window that is not a positive int, a soft-cap that is not a finite float > 0, or a
+        sink logit that is not finite.
+    """
+    if window is not None and (isinstance(window, bool) or int(window) != window
+                               or int(window) < 1):
+        raise ValueError(f"window = {window!r}: expected None or an int >= 1")
+    if softcap is not None and not (np.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap = {softcap!r}: expected None or a finite float > 0")
+    if sink is not None and not np.isfinite(sink):
+        raise ValueError(f"sink = {sink!r}: expected None or a finite float")
+    rule = LogitRule(float(scale), 0.0 if softcap is None else float(softcap),
+                     0 if window is None else int(window))
+    return rule, NO_SINK if sink is None else float(sink)

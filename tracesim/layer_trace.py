@@ -48,6 +48,14 @@ class LayerTrace:
     source : LayerTrace, optional
         The stored layer this trace is the per-query-head view of (:meth:`per_query_head`);
         ``None`` for a stored layer.
+    window : int, optional
+        Sliding-window layer: the query at position ``t`` attends ``(t - window, t]`` only;
+        ``None`` for a full layer.
+    softcap : float, optional
+        Attention-logit soft-cap ``c``: logits are ``c * tanh(scale * q.k / c)``.
+    sinks : ndarray of float64, shape (n_heads,), optional
+        Learned per-query-head sink logits: ``exp(sink)`` enters the softmax denominator with
+        value zero. ``None``: no sinks.
     """
 
     layer: int
@@ -66,6 +74,9 @@ class LayerTrace:
     meta: dict[str, Any] = field(default_factory=dict)
     rope: dict[str, Any] | None = None
     source: LayerTrace | None = field(default=None, repr=False, compare=False)
+    window: int | None = None
+    softcap: float | None = None
+    sinks: np.ndarray | None = None
     _attention_cache: dict[tuple[int, int], np.ndarray] = field(
         default_factory=dict, repr=False)
 
@@ -84,6 +95,42 @@ class LayerTrace:
             raise ValueError("query_roles must be parallel to query_positions")
         if not 1 <= self.prompt_length <= P:
             raise ValueError(f"prompt_length = {self.prompt_length} outside [1, {P}]")
+        if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
+            raise ValueError(f"window = {self.window!r}, expected None or an int >= 1")
+        if self.softcap is not None and not (np.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"softcap = {self.softcap!r}, expected None or a float > 0")
+        if self.sinks is not None:
+            self.sinks = np.asarray(self.sinks, dtype=np.float64)
+            if self.sinks.shape != (H,) or not np.isfinite(self.sinks).all():
+                raise ValueError(f"sinks has shape {self.sinks.shape}, expected finite ({H},)")
+
+    @property
+    def attention_kind(self) -> str:
+        """``"sliding"`` for a sliding-window layer, else ``"full"``."""
+        return "full" if self.window is None else "sliding"
+
+    @property
+    def is_plain(self) -> bool:
+        """Full attention without soft-cap or sinks (every stored layer before these existed)."""
+        return self.window is None and self.softcap is None and self.sinks is None
+
+    def sink(self, head: int) -> float | None:
+        """Sink logit of query ``head``, or ``None``."""
+        return None if self.sinks is None else float(self.sinks[head])
+
+    def window_start(self, t: np.ndarray | int) -> np.ndarray | int:
+        """First position the query at ``t`` attends: ``t - window + 1`` (>= 0), or 0."""
+        if self.window is None:
+            return np.zeros_like(t) if isinstance(t, np.ndarray) else 0
+        return np.maximum(np.asarray(t) - self.window + 1, 0) if isinstance(
+            t, np.ndarray) else max(int(t) - self.window + 1, 0)
+
+    def logits(self, dots: np.ndarray) -> np.ndarray:
+        """Logits from raw ``q . k`` products: scaled, then soft-capped when the layer is."""
+        s = dots * self.scale
+        if self.softcap is not None:
+            s = self.softcap * np.tanh(s / self.softcap)
+        return s
 
     @property
     def n_kv_heads(self) -> int:
@@ -129,7 +176,8 @@ class LayerTrace:
             query_positions=self.query_positions, query_roles=self.query_roles,
             prompt_length=self.prompt_length, question_start=self.question_start,
             scale=self.scale, outputs=self.outputs, o_proj=self.o_proj,
-            sequence_id=self.sequence_id, meta=self.meta, rope=self.rope, source=self)
+            sequence_id=self.sequence_id, meta=self.meta, rope=self.rope, source=self,
+            window=self.window, softcap=self.softcap, sinks=self.sinks)
 
     def group(self, kv_head: int) -> range:
         """Query heads sharing ``kv_head``."""
@@ -150,7 +198,9 @@ class LayerTrace:
     def attention(self, head: int, index: int) -> np.ndarray:
         """Full-cache softmax attention of stored query ``index`` of ``head``, shape (P,).
 
-        Causal: zero beyond the query's position. Float64, cached per (head, index).
+        Causal: zero beyond the query's position, and before its window on a sliding layer;
+        soft-capped logits; a sink's share ``1 - sum`` is the weight left to no token.
+        Float64, cached per (head, index).
         """
         return self._attention_rows(head, [int(index)])[0]
 
@@ -162,10 +212,21 @@ class LayerTrace:
             g = head // self.group_size
             pos = self.query_positions[missing].astype(np.int64)
             end = int(pos.max()) + 1
-            s = (self.keys[g, :end] @ self.queries[head, missing].T) * self.scale  # (end, n)
+            if self.is_plain:
+                s = (self.keys[g, :end] @ self.queries[head, missing].T) * self.scale  # (end, n)
+            else:
+                s = self.logits(self.keys[g, :end] @ self.queries[head, missing].T)
             s[np.arange(end)[:, None] > pos[None, :]] = -np.inf
-            w = np.exp(s - s.max(axis=0))
-            w /= w.sum(axis=0)
+            if self.window is not None:
+                s[np.arange(end)[:, None] <= pos[None, :] - self.window] = -np.inf
+            top = s.max(axis=0)
+            if self.sinks is not None:
+                top = np.maximum(top, self.sinks[head])
+            w = np.exp(s - top)
+            if self.sinks is None:
+                w /= w.sum(axis=0)
+            else:
+                w /= w.sum(axis=0) + np.exp(self.sinks[head] - top)
             for j, i in enumerate(missing):
                 row = np.zeros(self.n_positions)
                 row[:end] = w[:, j]

@@ -114,6 +114,11 @@ def _unit(layer, ev, osp, cert, unit, res):
         for a in range(nqe):
             for hh in range(G):
                 Z[a * G + hh] += zta[j0 + a, g * G + hh]
+    # The learned sink: a take-all term of value 0, in every normaliser (adds 0.0 without).
+    zsink, window = layer.zsink, layer.window
+    for a in range(nqe):
+        for hh in range(G):
+            Z[a * G + hh] += zsink[g * G + hh, qrows[a]]
     sc = np.zeros((R, _NS))
     kmass = np.zeros(R)
     tail = certify and mt > 0
@@ -138,6 +143,8 @@ def _unit(layer, ev, osp, cert, unit, res):
         t = qpos[q]
         # Tail tokens are in position order: the query sees the first nv of them.
         nv = np.searchsorted(kept_idx[:mt], t, side="right")
+        # A sliding layer's tail tokens before the window have E = 0: in no sum, not counted.
+        n_before = np.searchsorted(kept_idx[:mt], t - window, side="right") if window > 0 else 0
         for hh in range(G):
             r = a * G + hh
             sc[r, _Z] = Z[r]
@@ -164,7 +171,7 @@ def _unit(layer, ev, osp, cert, unit, res):
                         s_c1 += cw[j]
                     for j in range(nv, mt):
                         Wxf[fr, j] = 0.0
-            n_t = float(nv)
+            n_t = float(nv - n_before)
             kmass[r] = km
             sc[r, _MT] = n_t
             sc[r, _SW] = sw

@@ -58,7 +58,7 @@ def _unit(layer, qrows, g, G, kept_idx, mt, m, corrected, pi_row, mult, z_wald, 
             h = g * G + hh
             for j in range(m):
                 w[j] = np.float64(E[h, q, kept_idx[j]]) * inv[j]
-            zta = 0.0
+            zta = np.float64(layer.zsink[h, q])  # the sink: take-all, value 0 (0.0 without)
             for k in range(d):
                 xta[k] = 0.0
             for j in range(mt, m):  # take-all tokens after the query have E = 0

@@ -198,7 +198,8 @@ def exp_logits_kernel(Q, K, qpos, scale, G, E) -> None:
     (_exp_logits_ser if work < SERIAL_BELOW else _exp_logits_par)(Q, K, qpos, scale, G, E)
 
 
-def check_exp_range(E: np.ndarray, qpos: np.ndarray, where: str, head0: int = 0) -> None:
+def check_exp_range(E: np.ndarray, qpos: np.ndarray, where: str, head0: int = 0,
+                    window: int = 0) -> None:
     """Refuse exp-logits that underflowed to exactly 0 on a visible key.
 
     ``E`` holds ``exp(s - max s)``: when the scaled logits of one query span more than the
@@ -216,6 +217,8 @@ def check_exp_range(E: np.ndarray, qpos: np.ndarray, where: str, head0: int = 0)
         Names the sequence and layer in the message.
     head0 : int
         Query head of ``E[0]`` (for callers that pass one head at a time).
+    window : int
+        ``w > 0``: a sliding layer; keys before ``(t - w, t]`` are not visible.
 
     Raises
     ------
@@ -225,6 +228,8 @@ def check_exp_range(E: np.ndarray, qpos: np.ndarray, where: str, head0: int = 0)
     P = E.shape[2]
     last = np.where(qpos < 0, P - 1, qpos)
     visible = np.arange(P)[None, :] <= last[:, None]
+    if window > 0:
+        visible &= np.arange(P)[None, :] > (last - window)[:, None]
     zero = (E == 0.0) & visible[None]
     if zero.any():
         h, a, p = (int(x) for x in np.argwhere(zero)[0])
@@ -256,7 +261,7 @@ def check_logit_span(K: np.ndarray, Q: np.ndarray, qpos: np.ndarray, scale: floa
 
 
 @nb.njit(cache=True)
-def _truth_job(g, E, V, qrows, truth, zfull):
+def _truth_job(g, E, V, qrows, zsink, truth, zfull):
     H = E.shape[0]
     n_kv, P, d = V.shape
     G = H // n_kv
@@ -267,31 +272,33 @@ def _truth_job(g, E, V, qrows, truth, zfull):
         q = qrows[a]
         for hh in range(G):
             r = a * G + hh
+            z = Z[r] + zsink[g * G + hh, q]  # the sink: in the normaliser only (+0.0 without)
             for k in range(d):
-                truth[g * G + hh, q, k] = X[r, k] / Z[r]
-            zfull[g * G + hh, q] = Z[r]
+                truth[g * G + hh, q, k] = X[r, k] / z
+            zfull[g * G + hh, q] = z
 
 
 @nb.njit(cache=True, parallel=True)
-def _truth_par(E, V, qrows, truth, zfull):
+def _truth_par(E, V, qrows, zsink, truth, zfull):
     for g in nb.prange(V.shape[0]):
-        _truth_job(g, E, V, qrows, truth, zfull)
+        _truth_job(g, E, V, qrows, zsink, truth, zfull)
 
 
 @nb.njit(cache=True)
-def _truth_ser(E, V, qrows, truth, zfull):
+def _truth_ser(E, V, qrows, zsink, truth, zfull):
     for g in range(V.shape[0]):
-        _truth_job(g, E, V, qrows, truth, zfull)
+        _truth_job(g, E, V, qrows, zsink, truth, zfull)
 
 
-def truth_kernel(E, V, qrows, truth, zfull) -> None:
-    """Full-cache outputs (H, NQ, d) and normalisers (H, NQ) through :func:`estimate_block`."""
+def truth_kernel(E, V, qrows, zsink, truth, zfull) -> None:
+    """Full-cache outputs (H, NQ, d) and normalisers (H, NQ) through :func:`estimate_block`;
+    ``zsink`` (H, NQ) is each normaliser's sink share (zeros without sinks)."""
     work = E.shape[0] * qrows.size * V.shape[1] * V.shape[2]
-    (_truth_ser if work < SERIAL_BELOW else _truth_par)(E, V, qrows, truth, zfull)
+    (_truth_ser if work < SERIAL_BELOW else _truth_par)(E, V, qrows, zsink, truth, zfull)
 
 
 @nb.njit(cache=True)
-def _event_stats_job(job, E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top):
+def _event_stats_job(job, E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top, window):
     H, NQ, P = E.shape
     e = job // H
     h = job % H
@@ -306,7 +313,8 @@ def _event_stats_job(job, E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top):
         ex_max = 0.0
         el = 0.0
         n_el = 0
-        for p in range(min(t + 1, P)):
+        # A sliding layer's population is its window (t - w, t].
+        for p in range(max(t - window + 1, 0) if window > 0 else 0, min(t + 1, P)):
             pv = prow[p]
             if pv < 1.0:
                 pop += 1
@@ -327,27 +335,28 @@ def _event_stats_job(job, E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top):
 
 
 @nb.njit(cache=True, parallel=True)
-def _event_stats_par(E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top):
+def _event_stats_par(E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top, window):
     for job in nb.prange((ev_qptr.size - 1) * E.shape[0]):
-        _event_stats_job(job, E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top)
+        _event_stats_job(job, E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top, window)
 
 
 @nb.njit(cache=True)
-def _event_stats_ser(E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top):
+def _event_stats_ser(E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top, window):
     for job in range((ev_qptr.size - 1) * E.shape[0]):
-        _event_stats_job(job, E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top)
+        _event_stats_job(job, E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top, window)
 
 
-def event_stats_kernel(E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top) -> None:
+def event_stats_kernel(E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top, window=0) -> None:
     """Oracle statistics of every (event query, head) that do not depend on the seed.
 
+    ``window > 0``: a sliding layer, whose population at ``t`` is ``(t - window, t]``.
     ``stats`` (n_event_queries, H, N_STATS): tail population (visible tokens with pi < 1),
     evicted (pi = 0) mass and largest weight, eligible (0 < pi < 1) mass and count.
     ``top`` (n_event_queries, H, TOP_ELIGIBLE): eligible positions, heaviest first, -1 padded.
     """
     work = ev_q.size * E.shape[0] * E.shape[2]
     (_event_stats_ser if work < SERIAL_BELOW else _event_stats_par)(
-        E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top)
+        E, zfull, pi, ev_qptr, ev_q, qpos, G, stats, top, int(window))
 
 
 @nb.njit(cache=True)
@@ -474,7 +483,7 @@ def event_parts(layer: ChunkTensors, incl: InclusionArrays) -> EventParts:
     stats = np.empty((n_rows, H, N_STATS))
     top = np.empty((n_rows, H, TOP_ELIGIBLE), dtype=np.int64)
     event_stats_kernel(layer.E, layer.zfull, incl.pi, incl.ev_qptr, incl.ev_q, layer.qpos, G,
-                       stats, top)
+                       stats, top, layer.window)
     xta = np.empty((n_rows, H, d))
     zta = np.empty((n_rows, H))
     nta = np.empty((incl.ev_qptr.size - 1, layer.V.shape[0]), dtype=np.int64)

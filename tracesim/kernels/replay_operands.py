@@ -34,7 +34,8 @@ class ChunkTensors(NamedTuple):
     Attributes
     ----------
     E : ndarray of float, shape (H, NQ, P)
-        ``exp(s_hqp - max_p s_hqp)``, 0 at positions after the query (causal).
+        ``exp(s_hqp - max_p s_hqp)``, 0 at positions after the query (causal) and before its
+        window on a sliding layer; ``s`` soft-capped when the layer is.
     zfull : ndarray of float64, shape (H, NQ)
         Full-cache normalisers ``sum_p E[h, q, p]``.
     V : ndarray of float, shape (n_kv, P, d)
@@ -45,6 +46,12 @@ class ChunkTensors(NamedTuple):
         Full-cache outputs.
     qpos : ndarray of int64, shape (NQ,)
         Query positions.
+    zsink : ndarray of float64, shape (H, NQ)
+        ``exp(sink_h - max)`` on the scale of ``E``: the learned sink's take-all share of every
+        normaliser (``zfull`` includes it); zeros for a layer without sinks.
+    window : int
+        ``w > 0``: a sliding layer, the query at ``t`` attends ``(t - w, t]`` (``E`` is 0
+        before it); 0 for a full layer.
     """
 
     E: np.ndarray
@@ -53,6 +60,8 @@ class ChunkTensors(NamedTuple):
     vn2: np.ndarray
     truth: np.ndarray
     qpos: np.ndarray
+    zsink: np.ndarray
+    window: int
 
 
 class InclusionArrays(NamedTuple):

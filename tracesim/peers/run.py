@@ -56,6 +56,9 @@ def replay_peers(store, peers: Sequence[Peer], seeds: Iterable[int], *,
         seq = store[sid]
         for layer in (layers if layers is not None else range(store.model.n_layers)):
             trace = load_layer(store, seq, int(layer))
+            if not trace.is_plain:  # callers other than the CLI, which refuses up front
+                raise ValueError(f"layer {trace.layer}: peers do not model sliding windows, "
+                                 "soft-caps or sinks yet, expected a full, plain layer")
             qidx = evaluated_queries(trace, ("decode",))
             for peer in peers:
                 for seed in (seeds if peer.randomized else seeds[:1]):

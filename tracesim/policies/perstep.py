@@ -146,10 +146,29 @@ class PerStepScore(Score):
         s = np.empty((len(heads), end + 1))
         s[:, :end] = proxy.logits(trace, kv_head, q, end)
         s[:, end] = (q @ trace.keys[kv_head, end]) * trace.scale  # the current token: exact
-        w = np.exp(s - s.max(axis=1, keepdims=True))
-        w /= w.sum(axis=1, keepdims=True)
+        if trace.is_plain:
+            w = np.exp(s - s.max(axis=1, keepdims=True))
+            w /= w.sum(axis=1, keepdims=True)
+        else:
+            w = _variant_softmax(trace, heads, s, end)
         if self.linearised:
             V = trace.values[kv_head, :end + 1]
             o = w @ V  # (n, d)
             w = w * np.linalg.norm(V[None] - o[:, None], axis=2)
         return w
+
+
+def _variant_softmax(trace: LayerTrace, heads: list[int], s: np.ndarray, end: int
+                     ) -> np.ndarray:
+    """The proxy softmax of a sliding, soft-capped or sink layer, as the model forms it:
+    logits capped, positions before the window ``(end - w, end]`` at 0, each head's sink in
+    the denominator (a share no token gets)."""
+    s = trace.logits(s / trace.scale)
+    if trace.window is not None:
+        s[:, :max(0, end - trace.window + 1)] = -np.inf
+    top = s.max(axis=1, keepdims=True)
+    sinks = (np.full((len(heads), 1), -np.inf) if trace.sinks is None
+             else trace.sinks[heads][:, None])
+    top = np.maximum(top, sinks)
+    w = np.exp(s - top)
+    return w / (w.sum(axis=1, keepdims=True) + np.exp(sinks - top))

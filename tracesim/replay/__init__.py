@@ -51,6 +51,7 @@ def load_layer(store, seq, layer: int) -> LayerTrace:
     meta = dict(seq.meta)
     f64 = np.float64
     o_proj = store.o_proj(layer)
+    attn = store.layer_attention(layer)
     trace = LayerTrace(
         layer=int(layer),
         keys=np.stack([np.asarray(seq.keys(layer, g), dtype=f64) for g in range(m.n_kv_heads)]),
@@ -72,6 +73,7 @@ def load_layer(store, seq, layer: int) -> LayerTrace:
         meta=meta,
         rope=(None if m.rope_theta is None else
               {"rope_theta": m.rope_theta, "rope_scaling": dict(m.rope_scaling or {})}),
+        window=attn.window, softcap=attn.softcap, sinks=attn.sinks,
     )
     _check_finite(trace, seq.file, o_proj is not None)
     return trace

@@ -54,6 +54,7 @@ from tracesim.replay.output_space import (  # noqa: F401  (GramBlocks & co. were
     gram_blocks,
     token_quadratic_forms,
 )
+from tracesim.replay.variants import variant_exp_logits
 
 __all__ = ["LAYER_ERROR_BLOCK", "LOGIT_BUDGET_BYTES", "MAX_BOOTSTRAP", "OUTPUT_CHECK_TOLERANCE",
            "PRECISIONS",
@@ -367,13 +368,19 @@ def replay_layer(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,
             nq = q1 - q0
             qp = qpos[q0:q1]
             E = np.empty((H, nq, P), dtype=dt)
-            exp_logits_kernel(np.ascontiguousarray(Q[:, q0:q1]), K, qp, float(trace.scale), G,
-                              E)
-            check_exp_range(E, qp, f"sequence {trace.sequence_id!r} layer {trace.layer}")
+            zsink = np.zeros((H, nq))
+            if trace.is_plain:
+                exp_logits_kernel(np.ascontiguousarray(Q[:, q0:q1]), K, qp, float(trace.scale),
+                                  G, E)
+            else:
+                variant_exp_logits(trace, Q[:, q0:q1], qp, E, zsink)
+            check_exp_range(E, qp, f"sequence {trace.sequence_id!r} layer {trace.layer}",
+                            window=trace.window or 0)
             tr = np.empty((H, nq, d))
             zf = np.empty((H, nq))
-            truth_kernel(E, V, np.arange(nq, dtype=np.int64), tr, zf)
-            layer = ChunkTensors(E=E, zfull=zf, V=V, vn2=vn2, truth=tr, qpos=qp)
+            truth_kernel(E, V, np.arange(nq, dtype=np.int64), zsink, tr, zf)
+            layer = ChunkTensors(E=E, zfull=zf, V=V, vn2=vn2, truth=tr, qpos=qp, zsink=zsink,
+                                 window=int(trace.window or 0))
             incl = InclusionArrays(pi=tables.pi, tau=tables.tau, ev_qptr=ev_qptr, ev_q=ev_q,
                                    slot_ev=tables.slot_ev, kmask=kmask,
                                    ev_stream=tables.ev_stream)

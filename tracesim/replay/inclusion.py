@@ -178,7 +178,9 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
     per_step = policy.schedule.per_step
     L = score.compress_end(trace)
     tau = policy.schedule.event_times(L, trace.prompt_length, int(qpos.max()), qpos)
-    B = score.kept_tokens(policy.budget, L)
+    # A sliding layer holds its window only: a budget is a share of what it holds at t.
+    held = (lambda t: t) if trace.window is None else (lambda t: min(t, trace.window))
+    B = score.kept_tokens(policy.budget, held(L))
     # A per-step design redraws from the whole cache at every step: nothing is nested and
     # nothing is gone for good; its budget is a share of the step's own cache [0, t).
     deterministic = not policy.design.randomized and not per_step
@@ -186,15 +188,19 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
     budgets = np.zeros((tau.size, n_kv), dtype=np.int64)
     for e, t in enumerate(tau):
         t = int(t)
+        # Positions the query at t attends on a sliding layer: (t - w, t]; None: every one.
+        window = None if trace.window is None else np.arange(t) > t - trace.window
         xs, masks, tails = [], [], []
         for g in range(n_kv):
             x = score.scores(trace, g, t, seed if score.seed_dependent else None)
             a = score.take_all(trace, g, t)
-            alive = raw[:e, g, :t].min(axis=0) > 0 if (deterministic and e > 0) else None
+            alive = _alive(raw, e, g, t, deterministic, window)
+            if window is not None:
+                a = a & window
             xs.append(x)
             masks.append(a)
             tails.append(x[~a] if alive is None else x[~a & alive])
-        B_e = score.kept_tokens(policy.budget, t) if per_step else B
+        B_e = score.kept_tokens(policy.budget, held(t)) if per_step else B
         if score.truncate_stratum and B_e < int(masks[0].sum()):
             # A kvpress press protects by score: below the budget it keeps the earliest
             # B_e protected tokens (equal top scores, earlier first), not all of them.
@@ -206,11 +212,21 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
         alloc = policy.budget.allocate(tails, policy.budget.layer_tail_budget(
             tb, trace.layer, n_layers))
         for g in range(n_kv):
-            alive = raw[:e, g, :t].min(axis=0) > 0 if (deterministic and e > 0) else None
+            alive = _alive(raw, e, g, t, deterministic, window)
             raw[e, g, :t] = head_inclusion(xs[g], masks[g], policy.design, int(alloc[g]),
                                            score.top_fraction, alive, score.ties)
             budgets[e, g] = int(masks[g].sum()) + int(alloc[g])
     return (raw if per_step else nested_inclusion(raw)), tau, budgets
+
+
+def _alive(raw: np.ndarray, e: int, g: int, t: int, deterministic: bool,
+           window: np.ndarray | None) -> np.ndarray | None:
+    """Tokens of ``[0, t)`` still in KV head ``g``'s cache at event ``e``: not evicted by an
+    earlier deterministic event, and inside a sliding layer's window (``None``: all)."""
+    alive = raw[:e, g, :t].min(axis=0) > 0 if (deterministic and e > 0) else None
+    if window is None:
+        return alive
+    return window if alive is None else alive & window
 
 
 def build_inclusion(trace: LayerTrace, policies: list[Policy], seeds: np.ndarray,

@@ -51,6 +51,7 @@ RESULT_COLUMNS: dict[str, pa.DataType] = {
     "layer": pa.int32(), "head": pa.int32(), "kv_head": pa.int32(),
     "query_index": pa.int32(), "query_position": pa.int32(), "query_role": pa.string(),
     "prompt_length": pa.int32(), "n_positions": pa.int32(),
+    "attention_kind": pa.string(), "layer_window": pa.int32(),
     **{c: (pa.string() if c in ("config_id", "score", "design", "correction", "budget_unit",
                                   "allocator", "schedule", "design_kind", "design_params",
                                   "score_params")
@@ -170,7 +171,8 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
     const = {"sequence_id": tr.sequence_id, "task": str(meta.get("task", "")),
              "correct": None if meta.get("correct") is None else bool(meta["correct"]),
              "layer": tr.layer,
-             "prompt_length": tr.prompt_length, "n_positions": tr.n_positions}
+             "prompt_length": tr.prompt_length, "n_positions": tr.n_positions,
+             "attention_kind": tr.attention_kind, "layer_window": int(tr.window or 0)}
     arrays = []
     for name, typ in columns.items():
         if name in const:

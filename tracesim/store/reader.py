@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .attention import LayerAttention, layer_attention
 from .format import (
     MANIFEST_FILE,
     O_PROJ_FILE,
@@ -55,6 +56,9 @@ class TraceSequence:
         ``all``).
     path : Path
         The tensor file.
+    has_sinks : bool
+        The model has learned sinks (``model.json`` ``sinks``): the h2o scores then sum to at
+        most ``prompt_length`` (each sink keeps a share).
 
     Notes
     -----
@@ -66,6 +70,7 @@ class TraceSequence:
     def __init__(self, model: ModelMeta, root: Path, meta: dict[str, Any]) -> None:
         self.model = model
         self.meta = meta
+        self.has_sinks = False
         self.sequence_id: str = meta["sequence_id"]
         label = f"{MANIFEST_FILE}: sequence {self.sequence_id!r}"
         self.path = member_path(root, meta["file"], label)
@@ -213,7 +218,7 @@ class TraceSequence:
         arr = self._read("h2o", "h2o", layer, head, self.model.n_heads,
                          (self.n_positions,), "float32")
         where = f"{self.file}: field 'h2o' of layer {int(layer)} head {int(head)}"
-        problems = check_h2o(arr, where, int(self.meta["prompt_length"]))
+        problems = check_h2o(arr, where, int(self.meta["prompt_length"]), self.has_sinks)
         if problems:
             raise StoreError(problems[0])
         return arr
@@ -268,7 +273,9 @@ class TraceStore:
         except KeyError:
             raise KeyError(f"{self.path}: no sequence {sequence_id!r}") from None
         meta = self.manifest.slice(i, 1).to_pylist()[0]
-        return TraceSequence(self.model, self.path, meta)
+        seq = TraceSequence(self.model, self.path, meta)
+        seq.has_sinks = self._model_json.get("sinks") is not None
+        return seq
 
     def __iter__(self) -> Iterator[TraceSequence]:
         for sequence_id in self._ids:
@@ -289,6 +296,15 @@ class TraceStore:
         return {"layers": list(range(m.n_layers)), "kv_heads": list(range(m.n_kv_heads)),
                 "heads": list(range(m.n_heads)), "model_n_layers": m.n_layers,
                 "model_n_heads": m.n_heads, "model_n_kv_heads": m.n_kv_heads}
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """How stored ``layer`` attends: sliding window, soft-cap, sinks (``model.json``'s
+        optional fields, see :mod:`tracesim.store.attention`); full and plain when absent."""
+        kept = self.kept
+        layer = _check_index(layer, len(kept["layers"]), "layer")
+        return layer_attention(self._model_json, int(kept["layers"][layer]),
+                               [int(h) for h in kept["heads"]], int(kept["model_n_layers"]),
+                               int(kept["model_n_heads"]))
 
     @property
     def is_subset(self) -> bool:

@@ -64,7 +64,8 @@ def validate_store(path: str | os.PathLike[str], *, check_data: bool = True) -> 
     seen_files: set[str] = set()
     for i in range(table.num_rows):
         row = table.slice(i, 1).to_pylist()[0]
-        found = _check_sequence(root, model, row, i, check_data, seen_ids, seen_files)
+        found = _check_sequence(root, model, row, i, check_data, seen_ids, seen_files,
+                                sinks=raw.get("sinks") is not None)
         problems += _cap(found, str(row.get("file")))
     return problems
 
@@ -105,6 +106,7 @@ def _check_sequence(
     check_data: bool,
     seen_ids: set[str],
     seen_files: set[str],
+    sinks: bool = False,
 ) -> list[str]:
     sid = row.get("sequence_id")
     label = f"{MANIFEST_FILE}: row {i} (sequence {sid!r})"
@@ -152,11 +154,12 @@ def _check_sequence(
         if digest != row["checksum"]:
             p.append(f"{name}: field 'checksum' of the file bytes is {digest}, expected "
                      f"{row['checksum']} (corrupted or rewritten?)")
-    return p + _check_sequence_file(path, name, model, row, check_data)
+    return p + _check_sequence_file(path, name, model, row, check_data, sinks)
 
 
 def _check_sequence_file(
-    path: Path, name: str, model: ModelMeta, row: dict[str, Any], check_data: bool
+    path: Path, name: str, model: ModelMeta, row: dict[str, Any], check_data: bool,
+    sinks: bool = False,
 ) -> list[str]:
     try:
         tf = TensorFile(path, name)
@@ -176,7 +179,7 @@ def _check_sequence_file(
         if not check_data:
             continue
         if tname.startswith("h2o/"):  # check_h2o reports non-finite scores itself
-            p += check_h2o(arr, f"{name}: {desc}", prompt_length)
+            p += check_h2o(arr, f"{name}: {desc}", prompt_length, sinks)
         else:
             p += _finite(arr, f"{name}: {desc}")
         if len(p) > MAX_PROBLEMS_PER_FILE:
@@ -215,9 +218,12 @@ def _finite(arr: np.ndarray, where: str) -> list[str]:
     return [f"{where} holds {n_nan} NaN and {n_inf} Inf value(s), expected finite values"]
 
 
-def check_h2o(arr: np.ndarray, where: str, prompt_length: int) -> list[str]:
+def check_h2o(arr: np.ndarray, where: str, prompt_length: int, sinks: bool = False
+              ) -> list[str]:
     """h2o scores are finite, >= 0, zero after the prompt and sum to prompt_length (one per
-    query); the reader enforces the same rules (one list of problems, never two copies)."""
+    query); the reader enforces the same rules (one list of problems, never two copies).
+    With learned sinks (``model.json`` ``sinks``) each query's sink keeps a share, so the sum
+    may only fall short of prompt_length."""
     if not np.isfinite(arr).all():
         return _finite(arr, where)
     p = []
@@ -227,8 +233,10 @@ def check_h2o(arr: np.ndarray, where: str, prompt_length: int) -> list[str]:
         p.append(f"{where} is nonzero at positions >= prompt_length = {prompt_length}, "
                  "expected 0 (prefill queries cannot attend to later keys)")
     total = float(arr.sum(dtype=np.float64))
-    if abs(total - prompt_length) > H2O_RTOL * prompt_length + 0.01:
-        p.append(f"{where} sums to {total:.4g}, expected prompt_length = {prompt_length} "
+    slack = H2O_RTOL * prompt_length + 0.01
+    if (total - prompt_length > slack) if sinks else abs(total - prompt_length) > slack:
+        p.append(f"{where} sums to {total:.4g}, expected "
+                 f"{'at most ' if sinks else ''}prompt_length = {prompt_length} "
                  "(each prefill query spreads one unit of attention)")
     return p
 

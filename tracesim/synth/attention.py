@@ -16,18 +16,23 @@ __all__ = ["BLOCK", "causal_attention", "weighted_attention_sums"]
 BLOCK = 8192
 
 
-def _logits(q: np.ndarray, qpos: np.ndarray, keys: np.ndarray, start: int, scale: float
-            ) -> np.ndarray:
+def _logits(q: np.ndarray, qpos: np.ndarray, keys: np.ndarray, start: int, scale: float,
+            window: int | None = None, softcap: float | None = None) -> np.ndarray:
     k = np.asarray(keys, dtype=np.float64)
     s = (q @ k.T) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
     kpos = np.arange(start, start + k.shape[0])
     s[kpos[None, :] > qpos[:, None]] = -np.inf
+    if window is not None:  # a sliding layer: the query at t attends (t - window, t]
+        s[kpos[None, :] <= (qpos - window)[:, None]] = -np.inf
     return s
 
 
 def causal_attention(
     q: np.ndarray, qpos: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float,
-    *, block: int = BLOCK,
+    *, block: int = BLOCK, window: int | None = None, softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Causal softmax attention of queries at ``qpos`` over keys at positions ``0..P-1``.
 
@@ -42,13 +47,18 @@ def causal_attention(
     scale : float
     block : int
         Keys per block.
+    window, softcap : optional
+        A sliding layer's window (the query at ``t`` attends ``(t - window, t]``) and the
+        logit soft-cap ``c * tanh(s / c)``.
+    sinks : ndarray, shape (n,), optional
+        Each row's sink logit: ``exp(sink)`` joins the denominator with value zero.
 
     Returns
     -------
     out : ndarray, shape (n, d)
         Attention outputs, float64.
     m, l : ndarray, shape (n,)
-        Row maximum of the logits and ``sum_j exp(s_j - m)``.
+        Row maximum of the logits and ``sum_j exp(s_j - m)`` (plus ``exp(sink - m)``).
     """
     n, d = q.shape
     P = keys.shape[0]
@@ -59,7 +69,7 @@ def causal_attention(
     last = int(qpos.max()) + 1 if n else 0
     for a in range(0, min(P, last), block):
         b = min(P, a + block, last)
-        s = _logits(q, qpos, keys[a:b], a, scale)
+        s = _logits(q, qpos, keys[a:b], a, scale, window, softcap)
         m_new = np.maximum(m, s.max(axis=1))
         seen = np.isfinite(m_new)
         alpha = np.where(seen, np.exp(m - np.where(seen, m_new, 0.0)), 0.0)
@@ -69,12 +79,15 @@ def causal_attention(
         m = m_new
     if (l <= 0).any():
         raise ValueError("a query sees no key (query position < 0?)")
+    if sinks is not None:
+        l = l + np.exp(np.asarray(sinks, dtype=np.float64) - m)
     return acc / l[:, None], m, l
 
 
 def weighted_attention_sums(
     q: np.ndarray, qpos: np.ndarray, weights: np.ndarray, keys: np.ndarray, scale: float,
     m: np.ndarray, l: np.ndarray, n_groups: int, *, block: int = BLOCK,
+    window: int | None = None, softcap: float | None = None,
 ) -> np.ndarray:
     """``sum_r weights[r] * softmax_r`` per group of rows: accumulated attention per key.
 
@@ -101,6 +114,7 @@ def weighted_attention_sums(
     w = np.tile(np.asarray(weights, dtype=np.float64), n_groups) / l
     for a in range(0, min(P, last), block):
         b = min(P, a + block, last)
-        p = np.exp(_logits(q, qpos, keys[a:b], a, scale) - m[:, None]) * w[:, None]
+        p = np.exp(_logits(q, qpos, keys[a:b], a, scale, window, softcap)
+                   - m[:, None]) * w[:, None]
         out[:, a:b] = p.reshape(n_groups, per, b - a).sum(axis=1)
     return out

@@ -39,6 +39,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-o-proj", action="store_true", help="do not store o_proj weights")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the generative model (same seed, byte-identical store)")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                   help="make layers sliding-window layers of window W (the query at t attends "
+                        "(t - W, t]); every --full-every-th layer stays full (Gemma 3 style); "
+                        "default: every layer full")
+    p.add_argument("--full-every", type=int, default=6, metavar="K",
+                   help="with --sliding-window: every K-th layer is full (default 6)")
+    p.add_argument("--softcap", type=float, default=None, metavar="C",
+                   help="attention-logit soft-cap C: logits C*tanh(s/C) (Gemma 2 style); "
+                        "default: no cap")
+    p.add_argument("--sinks", action="store_true",
+                   help="a learned sink logit per layer and query head (gpt-oss style)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run_synth)
 
@@ -66,7 +77,9 @@ def run_synth(args: argparse.Namespace) -> int:
         cfg = SynthConfig(positions=args.positions, shape=args.shape, layers=args.layers,
                           sequences=args.sequences, decode=args.decode, window=args.window,
                           h2o_queries=args.h2o_queries, dtype=args.dtype,
-                          o_proj=not args.no_o_proj, seed=args.seed)
+                          o_proj=not args.no_o_proj, seed=args.seed,
+                          sliding_window=args.sliding_window, full_every=args.full_every,
+                          softcap=args.softcap, sinks=args.sinks)
         # each count is within its bound; their product may not be (1M positions x 4096
         # layers x 10k sequences): estimated before anything is allocated
         memory, written = synth_sizes(cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tracesim.store import ModelMeta, TraceWriter
-from tracesim.store.format import storage_dtype
+from tracesim.atomic import atomic_write_bytes
+from tracesim.store import ModelMeta, StoreError, TraceWriter
+from tracesim.store.format import MODEL_FILE, storage_dtype
 
 from .attention import BLOCK, causal_attention, weighted_attention_sums
 from .model import (
@@ -34,6 +37,7 @@ SHAPES: dict[str, tuple[str, int, int, int, int, int]] = {
 }
 _VOCAB = 49152
 _QUERY_STREAM, _H2O_STREAM = 0, 1
+_SINKS = 6  # rng_for purpose of the sink logits (after model.py's six)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,17 @@ class SynthConfig:
     o_proj : bool
         Store random ``o_proj`` weights (needed by the output-space certificate).
     seed : int
+    sliding_window : int, optional
+        Make layers sliding-window layers of this window (the query at ``t`` attends
+        ``(t - w, t]``); every ``full_every``-th layer (the last of each run) stays full, as in
+        Gemma 3 (5 sliding : 1 full). Recorded in ``model.json`` ``layer_attention``.
+    full_every : int
+        See ``sliding_window`` (default 6).
+    softcap : float, optional
+        Attention-logit soft-cap of every layer (``model.json`` ``attn_logit_softcap``).
+    sinks : bool
+        Give every (layer, query head) a learned sink logit (``model.json`` ``sinks``), drawn
+        from the seed.
     """
 
     positions: int
@@ -77,8 +92,21 @@ class SynthConfig:
     dtype: str = "float16"
     o_proj: bool = True
     seed: int = 0
+    sliding_window: int | None = None
+    full_every: int = 6
+    softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not
+                                                isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window = {self.sliding_window!r}: expected an int >= 1")
+        if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or \
+                self.full_every < 1:
+            raise ValueError(f"full_every = {self.full_every!r}: expected an int >= 1")
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"softcap = {self.softcap!r}: expected a finite float > 0")
         if self.shape not in SHAPES:
             raise ValueError(f"shape = {self.shape!r}: expected one of {sorted(SHAPES)}")
         for name in ("sequences", "decode", "window", "question", "h2o_queries"):
@@ -113,6 +141,34 @@ class SynthConfig:
         return ModelMeta(model_id=model_id, architecture="LlamaForCausalLM",
                          n_layers=self.n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d,
                          hidden_size=hidden, scaling=d**-0.5, dtype=self.dtype)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of ``layer``, or ``None`` for a full layer."""
+        if self.sliding_window is None or (layer + 1) % self.full_every == 0:
+            return None
+        return self.sliding_window
+
+    def sink_logits(self) -> np.ndarray | None:
+        """``(n_layers, n_heads)`` sink logits drawn from the seed, or ``None``."""
+        if not self.sinks:
+            return None
+        rng = rng_for(self.seed, _SINKS, 0)
+        return rng.normal(0.0, 1.0, (self.n_layers, self.model().n_heads))
+
+    def attention_fields(self) -> dict:
+        """The optional ``model.json`` fields of the attention variants asked for."""
+        out: dict = {}
+        if self.sliding_window is not None:
+            out["layer_attention"] = [
+                {"kind": "full", "window": None} if self.layer_window(i) is None
+                else {"kind": "sliding", "window": self.layer_window(i)}
+                for i in range(self.n_layers)]
+        if self.softcap is not None:
+            out["attn_logit_softcap"] = float(self.softcap)
+        sinks = self.sink_logits()
+        if sinks is not None:
+            out["sinks"] = sinks.tolist()
+        return out
 
     def query_layout(self) -> tuple[np.ndarray, list[str]]:
         """Recorded query positions (sorted) and roles, as the capture runner lays them out."""
@@ -155,6 +211,7 @@ def _layer(cfg: SynthConfig, sequence: int, layer: int) -> dict[str, np.ndarray]
     outputs = np.empty((H, qpos.size, d), dtype=dt)
     h2o = np.empty((H, P), dtype=np.float32)
     far = max(cfg.question_start - 4 * LOCAL_WINDOW, 0)
+    window, sinks = cfg.layer_window(layer), cfg.sink_logits()
     for g in range(n_kv):
         for a in range(0, P, CHUNK):
             k, v = key_chunk(lm, cfg.seed, sequence, layer, g, a, min(P, a + CHUNK))
@@ -169,16 +226,23 @@ def _layer(cfg: SynthConfig, sequence: int, layer: int) -> dict[str, np.ndarray]
                         decode_from=pl, keys=keys[g], far_limit=far)
             stored_q[h] = q.astype(dt)
             q_rows.append(stored_q[h].astype(np.float64))
-        out, _, _ = causal_attention(np.concatenate(q_rows), np.tile(qpos, G), keys[g],
-                                     values[g], meta.scaling)
+        variant = dict(window=window, softcap=cfg.softcap)
+        out, _, _ = causal_attention(
+            np.concatenate(q_rows), np.tile(qpos, G), keys[g], values[g], meta.scaling,
+            sinks=None if sinks is None else np.repeat(sinks[layer, g * G:(g + 1) * G],
+                                                       qpos.size), **variant)
         outputs[g * G:(g + 1) * G] = out.reshape(G, qpos.size, d).astype(dt)
         hq = np.concatenate([
             queries(lm, cfg.seed, sequence, layer, h, hpos, stream=_H2O_STREAM).astype(dt)
             .astype(np.float64) for h in heads])
         hq_pos = np.tile(hpos, G)
-        _, m, lsum = causal_attention(hq, hq_pos, keys[g], values[g], meta.scaling)
+        _, m, lsum = causal_attention(
+            hq, hq_pos, keys[g], values[g], meta.scaling,
+            sinks=None if sinks is None else np.repeat(sinks[layer, g * G:(g + 1) * G],
+                                                       hpos.size), **variant)
         h2o[g * G:(g + 1) * G] = weighted_attention_sums(
-            hq, hq_pos, hweight, keys[g], meta.scaling, m, lsum, G).astype(np.float32)
+            hq, hq_pos, hweight, keys[g], meta.scaling, m, lsum, G,
+            **variant).astype(np.float32)
     return dict(keys=keys, values=values, queries=stored_q, outputs=outputs, h2o=h2o)
 
 
@@ -230,6 +294,20 @@ def _row(cfg: SynthConfig, sequence: int) -> dict:
         n_positions=cfg.positions, n_query=int(qpos.size))
 
 
+def _record_attention_fields(path: Path, cfg: SynthConfig) -> None:
+    """Add the attention variants' optional fields to ``model.json`` (atomically; a store
+    resumed with other variants is refused, naming the field)."""
+    fields = cfg.attention_fields()
+    doc = json.loads((path / MODEL_FILE).read_text())
+    for name in ("layer_attention", "attn_logit_softcap", "sinks"):
+        if name in doc and doc[name] != fields.get(name):
+            raise StoreError(f"{path / MODEL_FILE}: field {name!r} differs from the one asked "
+                             "for (a store holds one model)")
+    if fields and any(name not in doc for name in fields):
+        doc.update(fields)
+        atomic_write_bytes(path / MODEL_FILE, (json.dumps(doc, indent=2) + "\n").encode())
+
+
 def write_synthetic_store(
     out: str | os.PathLike[str], cfg: SynthConfig,
     progress: Callable[[str], None] | None = None,
@@ -247,6 +325,7 @@ def write_synthetic_store(
     """
     path = Path(out)
     with TraceWriter(path, cfg.model(), o_proj=_o_proj(cfg)) as writer:
+        _record_attention_fields(path, cfg)
         for s in range(cfg.sequences):
             sid = f"synth-{cfg.shape}-P{cfg.positions}-s{cfg.seed}-{s:04d}"
             if writer.has(sid):
