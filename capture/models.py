@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tracesim.capture.attention import CAPTURE_ATTN, attention_modules, register  # noqa: E402
+from tracesim.capture.variants import check_supported  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 #: Model id recorded in traces for the default model.
@@ -28,11 +29,25 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale cached checkpoints are not reused.
 _CONVERSION_VERSION = 1
 
-_TINY_ARCHS = {
+_SLIDING_PAIR = ["sliding_attention", "full_attention"]
+#: Tiny test families: name -> (model_type, config overrides). Every attention variant is kept
+#: as the family has it (Mistral's and Phi-3's windows, Gemma's soft-cap and scalar, gpt-oss's
+#: sinks), with windows short enough that test prompts outgrow them.
+_TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
-    "mistral": ("mistral", {"sliding_window": None}),
+    "mistral": ("mistral", {"sliding_window": 8}),
     "qwen2": ("qwen2", {"use_sliding_window": False}),
     "qwen3": ("qwen3", {"use_sliding_window": False}),
+    "gemma2": ("gemma2", {"sliding_window": 8, "attn_logit_softcapping": 5.0,
+                          "query_pre_attn_scalar": 24, "layer_types": _SLIDING_PAIR}),
+    "gemma3": ("gemma3_text", {"sliding_window": 8, "query_pre_attn_scalar": 24,
+                               "num_key_value_heads": 1, "layer_types": _SLIDING_PAIR}),
+    "gpt_oss": ("gpt_oss", {"sliding_window": 8, "layer_types": _SLIDING_PAIR,
+                            "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": ("phi3", {"sliding_window": 8, "head_dim": None}),
+    "olmo2": ("olmo2", {}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "use_sliding_window": False}),
 }
 
 
@@ -165,6 +180,10 @@ def load_model(
                 f"{name_or_path!r} is neither 'smollm2' nor a local checkpoint directory"
             )
         model_id = path.resolve().name
+    # Refuse an architecture or attention variant capture does not handle before any weight
+    # is read, let alone a forward pass run (UnsupportedModel is a ValueError: exit 2).
+    check_supported(AutoConfig.from_pretrained(path, local_files_only=True,
+                                               trust_remote_code=False))
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=_as_dtype(dtype, device),
@@ -194,7 +213,8 @@ def tiny_model(
     """A small randomly initialized GQA model built from a config (for tests).
 
     2 layers, 4 query heads, 2 KV heads, head_dim 16, hidden 64. ``initializer_range`` is raised
-    so that attention is far from uniform. ``arch`` is one of llama, mistral, qwen2, qwen3.
+    so that attention is far from uniform. ``arch`` is a key of ``_TINY_ARCHS`` (llama,
+    mistral, qwen2, qwen3, gemma2, gemma3, gpt_oss, phi3, olmo2, qwen3_moe).
     """
     register()
     try:
@@ -219,7 +239,10 @@ def tiny_model(
     )
     cfg.update(extra)
     cfg.update(overrides)
+    if cfg.get("head_dim") is None:
+        cfg.pop("head_dim", None)  # a family that derives it (phi3: hidden / heads = 16)
     config = AutoConfig.for_model(model_type, **cfg)
+    check_supported(config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation, dtype=torch.float32

@@ -213,7 +213,8 @@ class TraceSequence:
         arr = self._read("h2o", "h2o", layer, head, self.model.n_heads,
                          (self.n_positions,), "float32")
         where = f"{self.file}: field 'h2o' of layer {int(layer)} head {int(head)}"
-        problems = check_h2o(arr, where, int(self.meta["prompt_length"]))
+        problems = check_h2o(arr, where, int(self.meta["prompt_length"]),
+                             self.model.sinks is not None)
         if problems:
             raise StoreError(problems[0])
         return arr
