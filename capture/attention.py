@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tracesim.capture.variants import eager_attention
+from tracesim.capture.variants import CallRule, eager_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -140,8 +140,8 @@ class CaptureState:
         self.bias_fn = bias_fn
         self.only_layers = None if layers is None else frozenset(int(x) for x in layers)
         self.layers: dict[int, LayerRecord] = {}
-        #: layer -> (soft-cap, sink logits ``(H,)`` or None) the model passed to its attention.
-        self.rules: dict[int, tuple[float | None, torch.Tensor | None]] = {}
+        #: layer -> the soft-cap, sinks and window the model passed to its attention.
+        self.rules: dict[int, CallRule] = {}
         # Positions the caller is about to feed, [start, stop); checked against the cache so that a
         # cache that drops tokens (sliding windows) cannot silently produce a wrong trace.
         self.step: tuple[int, int] | None = None
@@ -231,7 +231,7 @@ class CaptureState:
         if n_prefill > 0:
             prefill_q = query[0, :, :n_prefill]
             self._accumulate_h2o(rec, prefill_q, key[0], mask, scaling, kv_len - q_len,
-                                 *self.rules.get(layer, (None, None)))
+                                 *self.rules.get(layer, CallRule())[:2])
 
     def _accumulate_h2o(
         self,
@@ -360,7 +360,8 @@ def capture_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     layer = int(module.layer_idx)
-    state.rules[layer] = (softcap, None if sinks is None else sinks.detach())
+    state.rules[layer] = CallRule(softcap, None if sinks is None else sinks.detach(),
+                                  kwargs.get("sliding_window"))
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = attention_mask
     state.before_attention(layer, query, key, value)

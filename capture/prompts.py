@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tracesim.capture.tasks import TaskPrompt
+from tracesim.capture.tasks import special_prefix as _special_prefix
 
 __all__ = ["GRADERS", "PromptError", "PromptSpec", "grade_answer", "load_prompts",
            "render_prompt"]
@@ -179,14 +180,6 @@ def grade_answer(grader: str | None, generated: str, answer: str | None) -> bool
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
-
-
-def _special_prefix(tokenizer: Any) -> list[int]:
-    """Tokens the tokenizer puts before any text (BOS for Llama-style tokenizers)."""
-    ids = list(tokenizer.encode("x", add_special_tokens=True))
-    bare = list(tokenizer.encode("x", add_special_tokens=False))
-    n = len(ids) - len(bare)
-    return ids[:n] if n > 0 and ids[n:n + len(bare)] == bare else []
 
 
 def render_prompt(tokenizer: Any, spec: PromptSpec, *, chat_template: bool = True,

@@ -19,7 +19,7 @@ How each family decides a layer's window (transformers' own modeling code):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Supported ``model_type`` -> how it decides the layer windows (see the module docstring).
 SUPPORTED_MODEL_TYPES = {
@@ -39,6 +39,20 @@ _LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
 #: Config attributes of attention variants no supported family handles; set (non-null) they
 #: are refused. ``attention_chunk_size``: Llama 4's chunked attention.
 _UNHANDLED_ATTRIBUTES = ("attention_chunk_size",)
+
+
+class CallRule(NamedTuple):
+    """What a model passed its attention function for one layer: soft-cap, sink logits
+    ``(H,)`` (a tensor) and sliding window, each None when the layer has none."""
+
+    softcap: float | None = None
+    sinks: Any = None
+    window: int | None = None
+
+    @property
+    def plain_logits(self) -> bool:
+        """No soft-cap and no sinks: logits and normalizer as in plain softmax attention."""
+        return self.softcap is None and self.sinks is None
 
 
 class UnsupportedModel(ValueError):
