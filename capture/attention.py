@@ -146,6 +146,10 @@ class CaptureState:
         # cache that drops tokens (sliding windows) cannot silently produce a wrong trace.
         self.step: tuple[int, int] | None = None
 
+    def rule(self, layer: int) -> CallRule:
+        """The soft-cap, sinks and window of ``layer``'s latest call (none before its first)."""
+        return self.rules.get(layer, CallRule())
+
     def begin_step(self, start: int, stop: int) -> None:
         """Declare that the next forward feeds absolute positions ``start..stop-1``."""
         self.step = (int(start), int(stop))
@@ -231,7 +235,7 @@ class CaptureState:
         if n_prefill > 0:
             prefill_q = query[0, :, :n_prefill]
             self._accumulate_h2o(rec, prefill_q, key[0], mask, scaling, kv_len - q_len,
-                                 *self.rules.get(layer, CallRule())[:2])
+                                 *self.rule(layer)[:2])
 
     def _accumulate_h2o(
         self,

@@ -161,3 +161,26 @@ def test_store_round_trips_the_rule_and_validates(tmp_path):
     tiny_model("mistral", vocab_size=len(tok)).save_pretrained(ckpt)
     tok.save_pretrained(ckpt)
     assert load_model(str(ckpt)).model.config.sliding_window == 8
+
+
+def test_verify_compares_a_store_with_an_independent_eager_forward(tmp_path, capsys):
+    """tracesim.capture.verify on a tiny Gemma 3 checkpoint: every stored output within float32
+    round-off of the eager forward and of the float64 rule."""
+    from tracesim.capture.models import load_tokenizer
+    from tracesim.capture.runner import CaptureConfig, run_capture
+    from tracesim.capture.verify import main as verify_main
+    from tracesim.capture.verify import verify_store
+
+    tok = load_tokenizer()
+    ckpt = tmp_path / "tiny-gemma3"
+    tiny_model("gemma3", seed=3, vocab_size=len(tok)).save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    out = tmp_path / "store"
+    run_capture(str(ckpt), ["passkey"], n=1, length=96, out=out, storage_dtype="float32",
+                config=CaptureConfig(window=8, max_new_tokens=3), progress=False)
+    rows = verify_store(str(out), str(ckpt))
+    assert [r["window"] for r in rows] == [8, None]
+    for r in rows:
+        assert r["eager_err"] <= 1e-4 * max(1.0, r["scale"]) and r["rule_err"] <= 1e-4, r
+    assert verify_main([str(out), "--model", str(ckpt)]) == 0
+    assert "largest |stored - eager|" in capsys.readouterr().out

@@ -247,7 +247,7 @@ class EvictionState(CaptureState):
         q_len, kv_len = query.shape[2], key.shape[2]
         if plan is None or not plan.certified or q_len != 1 or kv_len <= self.prompt_length:
             return None
-        if not self.rules[layer].plain_logits:
+        if not self.rule(layer).plain_logits:
             # decode_policy refuses this before decoding; a direct caller gets the same line.
             raise ValueError(f"layer {layer}: in-loop certificates of a layer with a soft-cap or "
                              "sinks are not implemented; use an uncertified policy")
@@ -256,7 +256,7 @@ class EvictionState(CaptureState):
     def _windowed(self, layer: int, bias: torch.Tensor) -> torch.Tensor:
         """``bias`` ``(H_kv, kv_len)`` of a decode query at ``kv_len - 1``, with the keys before
         a sliding layer's window masked (the model's mask does the same on the SDPA path)."""
-        window = self.rules[layer].window
+        window = self.rule(layer).window
         if window is None or bias.shape[1] <= window:
             return bias
         bias = bias.clone()
