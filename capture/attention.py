@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tracesim.capture.variants import CallRule, eager_attention
+from tracesim.capture.variants import CallRule, bias_mask, eager_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -320,22 +320,6 @@ class CaptureState:
         return out
 
 
-def _with_bias(
-    mask: torch.Tensor | None, bias: torch.Tensor, group: int, q_len: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Fold a per-KV-head bias ``(H_kv, q_len, kv_len)`` into an additive ``(1, H, q, kv)`` mask."""
-    full = bias.float().repeat_interleave(group, dim=0)[None]
-    if mask is not None:
-        full = full.masked_fill(~mask.bool(), float("-inf"))
-    else:
-        kv_len = bias.shape[-1]
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=bias.device)
-        causal = torch.arange(kv_len, device=bias.device)[None, :] <= q_pos[:, None]
-        full = full.masked_fill(~causal, float("-inf"))
-    # SDPA wants the mask in the query dtype; fp32 models keep -log(pi) exactly.
-    return full.to(dtype)
-
-
 def capture_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -372,7 +356,7 @@ def capture_attention_forward(
     bias = state.bias(layer, torch.arange(kv_len - q_len, kv_len), kv_len)
     if bias is not None:
         group = query.shape[1] // key.shape[1]
-        mask = _with_bias(attention_mask, bias.to(query.device), group, q_len, query.dtype)
+        mask = bias_mask(attention_mask, bias.to(query.device), group, q_len, query.dtype)
     out = state.attend(layer, query, key, value, float(scaling))
     weights = None
     if out is None and (softcap is not None or sinks is not None):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import torch
+
 #: Supported ``model_type`` -> how it decides the layer windows (see the module docstring).
 SUPPORTED_MODEL_TYPES = {
     "llama": "full",
@@ -180,8 +182,6 @@ def eager_attention(query: Any, key: Any, value: Any, mask: Any, scaling: float,
     (True = attend) or additive, broadcastable to ``(B, H, q, kv)``, or None (causal); returns
     ``(B, q, H, D)``.
     """
-    import torch
-
     group = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(group, dim=1)
     v = value.repeat_interleave(group, dim=1)
@@ -204,3 +204,18 @@ def eager_attention(query: Any, key: Any, value: Any, mask: Any, scaling: float,
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
     return torch.matmul(probs, v).transpose(1, 2).contiguous()
+
+
+def bias_mask(mask: Any, bias: Any, group: int, q_len: int, dtype: Any) -> Any:
+    """Fold a per-KV-head bias ``(H_kv, q_len, kv_len)`` into an additive ``(1, H, q, kv)`` mask
+    (the model's boolean ``mask``, a sliding window included, sets ``-inf`` where it forbids)."""
+    full = bias.float().repeat_interleave(group, dim=0)[None]
+    if mask is not None:
+        full = full.masked_fill(~mask.bool(), float("-inf"))
+    else:
+        kv_len = bias.shape[-1]
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=bias.device)
+        causal = torch.arange(kv_len, device=bias.device)[None, :] <= q_pos[:, None]
+        full = full.masked_fill(~causal, float("-inf"))
+    # SDPA wants the mask in the query dtype; fp32 models keep -log(pi) exactly.
+    return full.to(dtype)
