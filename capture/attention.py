@@ -3,8 +3,9 @@
 One function, registered under :data:`CAPTURE_ATTN` in transformers' ``AttentionInterface`` (with
 a boolean causal mask function under the same name in ``AttentionMaskInterface``), serves every
 attention layer of a model loaded with ``attn_implementation=CAPTURE_ATTN``. It delegates the
-arithmetic to transformers' SDPA path and, when a :class:`CaptureState` is attached to the model
-(:func:`recording`), records what attention saw:
+arithmetic to transformers' SDPA path (to the model's eager rule when the layer has a soft-cap
+or sinks: :func:`tracesim.capture.variants.eager_attention`) and, when a :class:`CaptureState`
+is attached to the model (:func:`recording`), records what attention saw:
 
 - post-RoPE K and V of every fed position, per KV head (not repeated for GQA);
 - Q and the per-head attention output before ``o_proj`` at the requested query positions;
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from tracesim.capture.variants import CallRule, bias_mask, eager_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -138,9 +140,15 @@ class CaptureState:
         self.bias_fn = bias_fn
         self.only_layers = None if layers is None else frozenset(int(x) for x in layers)
         self.layers: dict[int, LayerRecord] = {}
+        #: layer -> the soft-cap, sinks and window the model passed to its attention.
+        self.rules: dict[int, CallRule] = {}
         # Positions the caller is about to feed, [start, stop); checked against the cache so that a
         # cache that drops tokens (sliding windows) cannot silently produce a wrong trace.
         self.step: tuple[int, int] | None = None
+
+    def rule(self, layer: int) -> CallRule:
+        """The soft-cap, sinks and window of ``layer``'s latest call (none before its first)."""
+        return self.rules.get(layer, CallRule())
 
     def begin_step(self, start: int, stop: int) -> None:
         """Declare that the next forward feeds absolute positions ``start..stop-1``."""
@@ -226,7 +234,8 @@ class CaptureState:
         n_prefill = min(q_len, self.prompt_length - (kv_len - q_len))
         if n_prefill > 0:
             prefill_q = query[0, :, :n_prefill]
-            self._accumulate_h2o(rec, prefill_q, key[0], mask, scaling, kv_len - q_len)
+            self._accumulate_h2o(rec, prefill_q, key[0], mask, scaling, kv_len - q_len,
+                                 *self.rule(layer)[:2])
 
     def _accumulate_h2o(
         self,
@@ -236,8 +245,11 @@ class CaptureState:
         mask: torch.Tensor | None,
         scaling: float,
         q_offset: int,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        """Add the post-softmax attention of prefill queries ``(H, n, D)`` over ``key``."""
+        """Add the post-softmax attention of prefill queries ``(H, n, D)`` over ``key`` (after
+        the soft-cap; a sink's share goes to no key)."""
         n_heads, n_q, head_dim = query.shape
         n_kv, kv_len = key.shape[0], key.shape[1]
         group = n_heads // n_kv
@@ -251,13 +263,20 @@ class CaptureState:
             stop = min(kv_len, q_offset + b)
             q32 = query[:, a:b].float().reshape(n_kv, group, b - a, head_dim)
             logits = torch.matmul(q32, k32[:, None, :, :stop]) * scaling  # (H_kv, g, c, stop)
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
             if mask is not None:
                 allowed = mask[0, 0, a:b, :stop]
             else:
                 q_pos = torch.arange(q_offset + a, q_offset + b, device=query.device)
                 allowed = kv_pos[None, :stop] <= q_pos[:, None]
             logits = logits.masked_fill(~allowed, float("-inf"))
-            acc[:, :stop] += torch.softmax(logits, dim=-1).sum(dim=2).reshape(n_heads, stop)
+            if sinks is not None:
+                sink = sinks.float().reshape(n_kv, group, 1, 1).expand(-1, -1, b - a, 1)
+                probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(logits, dim=-1)
+            acc[:, :stop] += probs.sum(dim=2).reshape(n_heads, stop)
         if rec.h2o is None:
             rec.h2o = acc
         else:
@@ -301,22 +320,6 @@ class CaptureState:
         return out
 
 
-def _with_bias(
-    mask: torch.Tensor | None, bias: torch.Tensor, group: int, q_len: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Fold a per-KV-head bias ``(H_kv, q_len, kv_len)`` into an additive ``(1, H, q, kv)`` mask."""
-    full = bias.float().repeat_interleave(group, dim=0)[None]
-    if mask is not None:
-        full = full.masked_fill(~mask.bool(), float("-inf"))
-    else:
-        kv_len = bias.shape[-1]
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=bias.device)
-        causal = torch.arange(kv_len, device=bias.device)[None, :] <= q_pos[:, None]
-        full = full.masked_fill(~causal, float("-inf"))
-    # SDPA wants the mask in the query dtype; fp32 models keep -log(pi) exactly.
-    return full.to(dtype)
-
-
 def capture_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -336,21 +339,29 @@ def capture_attention_forward(
     state: CaptureState | None = getattr(module, STATE_ATTR, None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
     if state is None:
+        if softcap is not None or sinks is not None:
+            return eager_attention(query, key, value, attention_mask, scaling, softcap,
+                                   sinks), None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     layer = int(module.layer_idx)
+    state.rules[layer] = CallRule(softcap, None if sinks is None else sinks.detach(),
+                                  kwargs.get("sliding_window"))
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = attention_mask
     state.before_attention(layer, query, key, value)
     bias = state.bias(layer, torch.arange(kv_len - q_len, kv_len), kv_len)
     if bias is not None:
         group = query.shape[1] // key.shape[1]
-        mask = _with_bias(attention_mask, bias.to(query.device), group, q_len, query.dtype)
+        mask = bias_mask(attention_mask, bias.to(query.device), group, q_len, query.dtype)
     out = state.attend(layer, query, key, value, float(scaling))
     weights = None
-    if out is None:
+    if out is None and (softcap is not None or sinks is not None):
+        out = eager_attention(query, key, value, mask, scaling, softcap, sinks)
+    elif out is None:
         out, weights = sdpa_attention_forward(
             module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
         )

@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--layers 0-3 --heads 0",
     )
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (default) or a local transformers checkpoint directory")
+                   help="a built-in model, 'smollm2' (default) or 'gemma3-270m', or a local "
+                   "transformers checkpoint directory")
     p.add_argument("--tasks", default="passkey",
                    help=f"comma-separated task names from {', '.join(_TASKS)} (default passkey)")
     p.add_argument("--n", type=int, default=16, help="instances per task (default 16)")

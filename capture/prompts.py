@@ -38,6 +38,7 @@ from typing import Any
 
 import re2
 from tracesim.capture.tasks import TaskPrompt
+from tracesim.capture.tasks import special_prefix as _special_prefix
 
 from tracesim.counts import Count
 
@@ -257,14 +258,6 @@ def grade_answer(grader: str | None, generated: str, answer: str | None) -> bool
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
-
-
-def _special_prefix(tokenizer: Any) -> list[int]:
-    """Tokens the tokenizer puts before any text (BOS for Llama-style tokenizers)."""
-    ids = list(tokenizer.encode("x", add_special_tokens=True))
-    bare = list(tokenizer.encode("x", add_special_tokens=False))
-    n = len(ids) - len(bare)
-    return ids[:n] if n > 0 and ids[n:n + len(bare)] == bare else []
 
 
 def render_prompt(tokenizer: Any, spec: PromptSpec, *, chat_template: bool = True,

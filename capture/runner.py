@@ -18,6 +18,7 @@ from tracesim.capture.generate import greedy_generate
 from tracesim.capture.models import LoadedModel, load_model, model_info, o_proj_weights, rope_info
 from tracesim.capture.prompts import PromptSpec, grade_answer, render_prompt
 from tracesim.capture.tasks import TASKS, TaskPrompt, build_prompt, grade, instance_seed
+from tracesim.capture.variants import attention_variants, subset_variants
 
 #: Query roles in precedence order (a position in several windows takes the first).
 ROLES = ("context_window", "question_window", "decode", "all")
@@ -163,7 +164,7 @@ def model_meta(loaded: LoadedModel, storage_dtype: str) -> Any:
     from tracesim.store import ModelMeta
 
     return ModelMeta(model_id=loaded.model_id, dtype=storage_dtype, **model_info(loaded.model),
-                     **rope_info(loaded.model))
+                     **rope_info(loaded.model), **attention_variants(loaded.model))
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,8 @@ def model_subset(loaded: LoadedModel, storage_dtype: str, layers: Sequence[int] 
     full = lay == list(range(L)) and kvh == list(range(K))
     meta = ModelMeta(model_id=loaded.model_id, dtype=storage_dtype,
                      **{**info, "n_layers": len(lay), "n_kv_heads": len(kvh),
-                        "n_heads": len(kept["heads"])}, **rope_info(loaded.model))
+                        "n_heads": len(kept["heads"])}, **rope_info(loaded.model),
+                     **subset_variants(attention_variants(loaded.model), lay, kept["heads"]))
     return Subset(lay, kvh, kept["heads"], meta, None if full else kept)
 
 

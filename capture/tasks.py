@@ -245,6 +245,14 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
+def special_prefix(tokenizer: Any) -> list[int]:
+    """Tokens the tokenizer puts before any text (BOS for Llama- and Gemma-style tokenizers)."""
+    ids = list(tokenizer.encode("x", add_special_tokens=True))
+    bare = list(tokenizer.encode("x", add_special_tokens=False))
+    n = len(ids) - len(bare)
+    return ids[:n] if n > 0 and ids[n:n + len(bare)] == bare else []
+
+
 def build_prompt(
     tokenizer: Any, task: str, length: int, seed: int, depth: float | None = None,
     chat_template: bool = True, **params: Any
@@ -283,6 +291,10 @@ def build_prompt(
     spec = _SPECS[task](rng, depth, **params)
     head, middle, tail = _template_pieces(tokenizer, spec.instruction, chat_template)
     head_ids, mid_ids = _encode(tokenizer, head), _encode(tokenizer, middle)
+    if not (chat_template and getattr(tokenizer, "chat_template", None)):
+        # Plain text (a base model such as Gemma 3 270M): the tokenizer's BOS, as the model was
+        # trained with; a chat template writes its own.
+        head_ids = special_prefix(tokenizer) + head_ids
     q_ids = _encode(tokenizer, spec.question)
     tail_ids = _encode(tokenizer, tail + spec.answer_prefix)
     sep = spec.separator

@@ -10,6 +10,9 @@ import torch
 from tracesim.capture.attention import STATE_ATTR, CaptureState, attention_modules, recording
 from tracesim.capture.generate import greedy_generate
 from tracesim.capture.models import set_attention, tiny_model
+from tracesim.capture.variants import attention_variants
+
+from tracesim.attention_rule import layer_window
 
 pytestmark = pytest.mark.capture
 
@@ -60,25 +63,32 @@ def _eager_reference(model, prompt, n_new):
     return outs, [a[0].numpy() for a in attn], gen
 
 
-def _recompute(q, k, v, positions, scaling):
+def _allowed(positions, kv_len, window=None):
+    """(n, kv_len) causal mask, limited to (t - window, t] for a sliding layer."""
+    pos = np.asarray(positions)[:, None]
+    keys = np.arange(kv_len)[None, :]
+    return (keys <= pos) & ((keys > pos - window) if window is not None else True)
+
+
+def _recompute(q, k, v, positions, scaling, window=None):
     """float64 causal attention from recorded arrays: q (H, n, D), k/v (H_kv, T, D)."""
     group = q.shape[0] // k.shape[0]
     kk = np.repeat(k.astype(np.float64), group, axis=0)
     vv = np.repeat(v.astype(np.float64), group, axis=0)
     logits = np.einsum("hqd,hkd->hqk", q.astype(np.float64), kk) * scaling
-    causal = np.arange(k.shape[1])[None, :] <= np.asarray(positions)[:, None]
+    causal = _allowed(positions, k.shape[1], window)
     logits = np.where(causal[None], logits, -np.inf)
     w = np.exp(logits - logits.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
     return np.einsum("hqk,hkd->hqd", w, vv)
 
 
-def _hf_eager_isolated(model, layer, rec):
+def _hf_eager_isolated(model, layer, rec, window=None):
     """HF's own eager attention of the model family applied to the recorded Q/K/V of a layer."""
     eager_fn = importlib.import_module(type(model).__module__).eager_attention_forward
     module = attention_modules(model)[layer]
     q, k, v = (torch.from_numpy(a)[None] for a in (rec.queries, rec.keys, rec.values))
-    allowed = np.arange(k.shape[2])[None, :] <= rec.positions[:, None]
+    allowed = _allowed(rec.positions, k.shape[2], window)
     mask = torch.zeros(allowed.shape).masked_fill(torch.from_numpy(~allowed), float("-inf"))
     out, _ = eager_fn(module, q, k, v, mask[None, None], scaling=module.scaling)
     return out[0].transpose(0, 1).numpy()
@@ -99,10 +109,13 @@ def check_against_hf(model, prompt, gen, layers, n_new, e2e_tol):
     assert ref_gen.generated_ids == gen.generated_ids
     plen = len(prompt)
     scaling = attention_modules(model)[0].scaling
+    rule = attention_variants(model)["layer_attention"]
     for layer, rec in enumerate(layers):
-        np.testing.assert_allclose(rec.outputs, _hf_eager_isolated(model, layer, rec), atol=TOL,
-                                   rtol=0, err_msg=f"layer {layer}: HF eager on recorded Q/K/V")
-        again = _recompute(rec.queries, rec.keys, rec.values, rec.positions, scaling)
+        window = layer_window(rule, layer)  # Mistral's real window (8 < the prompt)
+        np.testing.assert_allclose(rec.outputs, _hf_eager_isolated(model, layer, rec, window),
+                                   atol=TOL, rtol=0,
+                                   err_msg=f"layer {layer}: HF eager on recorded Q/K/V")
+        again = _recompute(rec.queries, rec.keys, rec.values, rec.positions, scaling, window)
         np.testing.assert_allclose(rec.outputs, again, atol=TOL, rtol=1e-6,
                                    err_msg=f"layer {layer}: recomputed from recorded Q/K/V")
         eager = ref_out[layer][rec.positions].transpose(1, 0, 2)
@@ -215,9 +228,11 @@ def test_state_is_per_run_and_requires_capture_attention():
             pass
 
 
-def test_sliding_cache_is_refused():
-    model = tiny_model("mistral", seed=0, sliding_window=8)
+def test_a_cache_that_drops_positions_is_refused():
+    """Capture keeps every position (a cache of full layers, the mask holding the window); a
+    call whose cache lacks positions of the declared step cannot slip into a trace."""
     state = CaptureState(20, record_all=True)
+    state.begin_step(12, 20)
+    q, kv = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)  # 8 cached positions, not 20
     with pytest.raises(RuntimeError, match="full \\(non-sliding\\) cache"):
-        with recording(model, state):
-            greedy_generate(model, _prompt(n=20), 3, state=state, prefill_chunk=10)
+        state.record(0, q, kv, kv, torch.zeros(1, 8, 4, 16), None, 0.25)

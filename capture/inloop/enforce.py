@@ -247,7 +247,21 @@ class EvictionState(CaptureState):
         q_len, kv_len = query.shape[2], key.shape[2]
         if plan is None or not plan.certified or q_len != 1 or kv_len <= self.prompt_length:
             return None
+        if not self.rule(layer).plain_logits:
+            # decode_policy refuses this before decoding; a direct caller gets the same line.
+            raise ValueError(f"layer {layer}: in-loop certificates of a layer with a soft-cap or "
+                             "sinks are not implemented; use an uncertified policy")
         return plan
+
+    def _windowed(self, layer: int, bias: torch.Tensor) -> torch.Tensor:
+        """``bias`` ``(H_kv, kv_len)`` of a decode query at ``kv_len - 1``, with the keys before
+        a sliding layer's window masked (the model's mask does the same on the SDPA path)."""
+        window = self.rule(layer).window
+        if window is None or bias.shape[1] <= window:
+            return bias
+        bias = bias.clone()
+        bias[:, :bias.shape[1] - window] = float("-inf")
+        return bias
 
     def _plan_inputs(self, layer: int, plan: LayerPlan, value: torch.Tensor
                      ) -> dict[str, torch.Tensor]:
@@ -276,9 +290,10 @@ class EvictionState(CaptureState):
         x = self._plan_inputs(layer, plan, value[0])
         pad = (0, key.shape[2] - x["bias"].shape[1])
         quad = x.get("quad")
+        bias = self._windowed(layer, torch.nn.functional.pad(x["bias"], pad))
         with torch.no_grad():
             out, cert, layer_cert = onepass_attention(
-                query[0, :, 0], key[0], value[0], torch.nn.functional.pad(x["bias"], pad),
+                query[0, :, 0], key[0], value[0], bias,
                 torch.nn.functional.pad(x["weight"], pad), float(scaling),
                 value_sq=torch.nn.functional.pad(x["value_sq"], pad), gram=x.get("gram"),
                 quad=None if quad is None else torch.nn.functional.pad(quad, pad),
@@ -295,7 +310,8 @@ class EvictionState(CaptureState):
         kv_len = key.shape[2]
         P = plan.bias.shape[1]
         dev = key.device
-        bias = torch.nn.functional.pad(plan.bias.to(dev), (0, kv_len - P))
+        bias = self._windowed(layer,
+                              torch.nn.functional.pad(plan.bias.to(dev), (0, kv_len - P)))
         with torch.no_grad():
             _, cert, layer_cert = serving_certificates(
                 query[0, :, 0].float(), key[0].float(), value[0].float(), bias,

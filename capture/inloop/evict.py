@@ -32,6 +32,7 @@ from tracesim.capture.inloop.prn_torch import layer_uniforms_torch
 from tracesim.capture.models import rope_info
 from tracesim.capture.runner import query_roles
 from tracesim.capture.tasks import grade
+from tracesim.capture.variants import attention_variants
 
 from tracesim.layer_trace import LayerTrace
 from tracesim.policies import Policy
@@ -191,6 +192,7 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
     empty). ``one_pass=False`` runs SDPA and the two-pass certificates (the reference path).
     """
     P = prefill.prompt_length
+    check_inloop_variants(model, policy, plans, fetch)
     events: set[int] = set()
     replan = None
     if policy is not None and policy.schedule.kind == "decode":
@@ -245,6 +247,37 @@ def decode_policy(model: Any, prefill: Prefill, plans: dict[int, LayerPlan],
     if prefill.answer is not None:
         _answer_masks(result, prefill, state, policy)
     return result
+
+
+def check_inloop_variants(model: Any, policy: Policy | None, plans: dict[int, LayerPlan],
+                          fetch: Any = None) -> None:
+    """Refuse, before decoding, what the loop does not enforce faithfully on this model.
+
+    One-shot and decode-time eviction honour sliding windows (the model's mask, and the window
+    folded into the one-pass bias) and run soft-capped or sink layers through the model's eager
+    rule; certificates of soft-cap or sink layers, and per-step designs, fetches and peers on
+    any attention variant, are not implemented yet.
+
+    Raises
+    ------
+    ValueError
+        Naming the variant and what to use instead.
+    """
+    rule = attention_variants(model)
+    named = [name for name, on in (("soft-cap", rule["attn_logit_softcap"] is not None),
+                                   ("sinks", rule["sinks"] is not None)) if on]
+    certified = (policy.certified if policy is not None
+                 else any(p.certified for p in plans.values()))
+    if named and certified:
+        raise ValueError(f"in-loop certificates with attention {' and '.join(named)} are not "
+                         "implemented; use an uncertified policy (or the replay)")
+    sliding = rule["layer_attention"] is not None
+    if (named or sliding) and (fetch is not None
+                               or (policy is not None and policy.schedule.per_step)):
+        what = "fetches" if fetch is not None else "per-step designs"
+        variants = " and ".join(named + ["sliding windows"] * sliding)
+        raise ValueError(f"in-loop {what} on a model with {variants} are not implemented; use "
+                         "the replay")
 
 
 def _answer_masks(result: DecodeResult, prefill: Prefill, state: EvictionState,

@@ -142,7 +142,8 @@ def register(subparsers: Any) -> None:
                    help="YAML file with a 'grid' (the sweep spec's grid grammar, docs/sweeps.md) "
                    "and optionally 'seeds'")
     p.add_argument("--out", default="outcomes", help="output directory (resumable)")
-    p.add_argument("--model", default="smollm2", help="'smollm2' or a local checkpoint dir")
+    p.add_argument("--model", default="smollm2", help="'smollm2', 'gemma3-270m' or a "
+                   "local checkpoint dir (the store's model)")
     p.add_argument("--seeds", type=int, default=None,
                    help="number of seeds (default: the grid file's 'seeds', else 4)")
     p.add_argument("--max-new-tokens", type=int, default=None,

@@ -138,6 +138,16 @@ def run_evict(
         if info[key] != getattr(store.model, key):
             raise ValueError(f"{store_path}: the store's model has {key} = "
                              f"{getattr(store.model, key)} but the loaded model has {info[key]}")
+    from tracesim.capture.inloop.evict import check_inloop_variants
+    from tracesim.capture.variants import attention_variants
+
+    # Before any prefill: what the loop cannot enforce on this model's attention variants.
+    for policy in policies:
+        for fetch_cfg in (list(fetch) if fetch else [None]):
+            check_inloop_variants(loaded.model, policy, {}, fetch_cfg)
+    if peers and any(v is not None for v in attention_variants(loaded.model).values()):
+        raise ValueError("in-loop peers on a model with sliding windows, a soft-cap or sinks are "
+                         "not implemented; run the peers in the replay")
     seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
     if not seed_list:
         raise ValueError("seeds: expected at least one seed")

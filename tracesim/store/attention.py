@@ -6,8 +6,8 @@
 * ``sinks``: null, or a list (n_layers) of lists (n_heads) of float: learned per-head sink
   logits entering the softmax denominator with value zero (gpt-oss).
 
-A store without them is full attention everywhere, unchanged. Indices are the MODEL's layers
-and heads; :meth:`TraceStore.layer_attention` maps a stored layer through ``kept``.
+A store without them is full attention everywhere, unchanged. Indices are the STORED layers and
+query heads (a subset store records only what it holds, docs/trace-format.md).
 """
 
 from __future__ import annotations
@@ -52,20 +52,20 @@ def _number(value: Any) -> bool:
             and math.isfinite(float(value)))
 
 
-def layer_attention(model_json: dict[str, Any], model_layer: int, heads: list[int],
+def layer_attention(model_json: dict[str, Any], layer: int, heads: list[int],
                     n_layers: int, n_heads: int) -> LayerAttention:
-    """Parse the attention fields of ``model_json`` for one model layer.
+    """Parse the attention fields of ``model_json`` for one stored layer.
 
     Parameters
     ----------
     model_json : dict
         The parsed ``model.json``.
-    model_layer : int
-        The model's layer index.
+    layer : int
+        The stored layer index.
     heads : list of int
-        The model query heads the store holds (``kept["heads"]``), in stored order.
+        The stored query heads whose sinks to read (all of them: ``range(n_heads)``).
     n_layers, n_heads : int
-        The MODEL's layer and query-head counts (the lists' lengths).
+        The stored layer and query-head counts (the lists' lengths).
 
     Raises
     ------
@@ -78,18 +78,18 @@ def layer_attention(model_json: dict[str, Any], model_layer: int, heads: list[in
         if not isinstance(spec, list) or len(spec) != n_layers:
             raise StoreError(f"{MODEL_FILE}: field 'layer_attention' is not a list of "
                              f"{n_layers} entries, expected one {{kind, window}} per layer")
-        entry = spec[model_layer]
+        entry = spec[layer]
         kind = entry.get("kind") if isinstance(entry, dict) else None
         window = entry.get("window") if isinstance(entry, dict) else None
         if kind not in ATTENTION_KINDS:
-            raise StoreError(f"{MODEL_FILE}: field 'layer_attention[{model_layer}].kind' is "
+            raise StoreError(f"{MODEL_FILE}: field 'layer_attention[{layer}].kind' is "
                              f"{kind!r}, expected one of {ATTENTION_KINDS}")
         if kind == "sliding":
             if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-                raise StoreError(f"{MODEL_FILE}: field 'layer_attention[{model_layer}].window' "
+                raise StoreError(f"{MODEL_FILE}: field 'layer_attention[{layer}].window' "
                                  f"is {window!r}, expected an int >= 1 for a sliding layer")
         elif window is not None:
-            raise StoreError(f"{MODEL_FILE}: field 'layer_attention[{model_layer}].window' is "
+            raise StoreError(f"{MODEL_FILE}: field 'layer_attention[{layer}].window' is "
                              f"{window!r}, expected null for a full layer")
     softcap = model_json.get("attn_logit_softcap")
     if softcap is not None:
@@ -107,7 +107,7 @@ def layer_attention(model_json: dict[str, Any], model_layer: int, heads: list[in
             raise StoreError(f"{MODEL_FILE}: field 'sinks' is not a list of {n_layers} lists of "
                              f"{n_heads} finite floats, expected null or one sink logit per "
                              "layer and query head")
-        sink_row = np.asarray([float(sinks[model_layer][h]) for h in heads], dtype=np.float64)
+        sink_row = np.asarray([float(sinks[layer][h]) for h in heads], dtype=np.float64)
     return LayerAttention(kind=kind, window=window, softcap=softcap, sinks=sink_row)
 
 

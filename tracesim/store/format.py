@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tracesim import digests
+from tracesim import attention_rule, digests
 
 SCHEMA_VERSION = 1
 """Version of the on-disk layout; bumped on any incompatible change."""
@@ -37,8 +37,10 @@ MODEL_LIMITS = {"n_layers": 4096, "n_heads": 4096, "n_kv_heads": 4096, "head_dim
                 "hidden_size": 1 << 20}
 #: Largest number of tensors one sequence file may declare (n_layers * (2 n_kv + 3 n_heads)).
 MAX_TENSORS = 1 << 20
-#: model.json fields a store may lack (recorded since the RoPE settings were captured).
-OPTIONAL_MODEL_FIELDS = ("rope_theta", "rope_scaling")
+#: model.json fields a store may lack (the RoPE settings, recorded since they were captured; the
+#: attention variants of docs/trace-format.md, absent for plain full-attention models).
+OPTIONAL_MODEL_FIELDS = ("rope_theta", "rope_scaling", "layer_attention", "attn_logit_softcap",
+                         "sinks")
 #: ``scaling`` must lie in (0, MAX_SCALING] (head_dim ** -0.5 is below 1 for every model).
 MAX_SCALING = 16.0
 
@@ -82,7 +84,15 @@ class ModelMeta:
     rope_scaling : dict, optional
         RoPE scaling of the model: Hugging Face's ``rope_scaling`` (``rope_type`` and its
         factors, JSON scalars), ``{"rope_type": "default"}`` for none; ``None`` when not
-        recorded. Both optional fields are written to ``model.json`` only when set.
+        recorded.
+    layer_attention : list of dict, optional
+        Per stored layer ``{"kind": "full" | "sliding", "window": int | None}``; ``None``: every
+        layer full (``tracesim.attention_rule``).
+    attn_logit_softcap : float, optional
+        Attention-logit soft-cap ``c`` (logits ``c * tanh(s / c)``); ``None``: none.
+    sinks : list of list of float, optional
+        Per stored layer and stored query head, the learned sink logit; ``None``: no sinks.
+        The optional fields are written to ``model.json`` only when set.
 
     Raises
     ------
@@ -101,6 +111,9 @@ class ModelMeta:
     dtype: str
     rope_theta: float | None = None
     rope_scaling: dict[str, Any] | None = None
+    layer_attention: list[dict[str, Any]] | None = None
+    attn_logit_softcap: float | None = None
+    sinks: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("model_id", "architecture"):
@@ -160,8 +173,18 @@ class ModelMeta:
                 raise StoreError(f"ModelMeta: field 'rope_scaling' is {rs!r}, expected null or "
                                  "an object with a string 'rope_type' and JSON scalars")
             object.__setattr__(self, "rope_scaling", dict(rs))
+        try:
+            variants = dict(
+                layer_attention=attention_rule.check_layer_attention(self.layer_attention,
+                                                                     self.n_layers),
+                attn_logit_softcap=attention_rule.check_softcap(self.attn_logit_softcap),
+                sinks=attention_rule.check_sinks(self.sinks, self.n_layers, self.n_heads))
+        except ValueError as exc:
+            raise StoreError(f"ModelMeta: {exc}") from None
+        for name, value in variants.items():
+            object.__setattr__(self, name, value)
 
-    def __hash__(self) -> int:  # rope_scaling is a dict
+    def __hash__(self) -> int:  # rope_scaling is a dict, layer_attention and sinks lists
         return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     @property
@@ -174,7 +197,7 @@ class ModelMeta:
         return head // self.group_size
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict of the fields (the optional RoPE fields only when set)."""
+        """Plain JSON-able dict of the fields (the optional ones only when set)."""
         d = asdict(self)
         for name in OPTIONAL_MODEL_FIELDS:
             if d[name] is None:

@@ -300,11 +300,11 @@ class TraceStore:
     def layer_attention(self, layer: int) -> LayerAttention:
         """How stored ``layer`` attends: sliding window, soft-cap, sinks (``model.json``'s
         optional fields, see :mod:`tracesim.store.attention`); full and plain when absent."""
-        kept = self.kept
-        layer = _check_index(layer, len(kept["layers"]), "layer")
-        return layer_attention(self._model_json, int(kept["layers"][layer]),
-                               [int(h) for h in kept["heads"]], int(kept["model_n_layers"]),
-                               int(kept["model_n_heads"]))
+        m = self.model
+        layer = _check_index(layer, m.n_layers, "layer")
+        # indexed by STORED layer and query head (docs/trace-format.md), as capture writes them
+        return layer_attention(self._model_json, layer, list(range(m.n_heads)), m.n_layers,
+                               m.n_heads)
 
     @property
     def is_subset(self) -> bool:
