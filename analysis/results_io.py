@@ -10,9 +10,13 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 __all__ = ["PEER_CLAIM_COLUMNS", "RESULT_FILES", "load_outcomes", "load_peers",
-           "load_results"]
+           "load_results", "read_verified"]
 
-RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet")
+#: Where results are looked for in an output directory, in this order: a sweep's results
+#: dataset (``manifest.json`` + ``parts/``, :mod:`tracesim.sweep.dataset`), then the single
+#: files of replay and of earlier sweeps.
+RESULT_FILES = ("results/manifest.json", "manifest.json", "results/results.parquet",
+                "results.parquet", "replay.parquet")
 #: Columns of ``peers.parquet`` that claim C10 reads.
 PEER_CLAIM_COLUMNS = ("sequence_id", "config_id", "peer_bound_ok", "peer_den_ok", "kept_tokens")
 
@@ -39,24 +43,84 @@ def load_results(directory: str | Path, *, trust_unsigned: bool = False,
     summary records nothing (written before tracesim recorded it) are refused unless
     ``trust_unsigned``, which appends a warning to ``notes`` instead.
     """
-    from tracesim.integrity import verify_results
-
     d = Path(directory)
     for name in RESULT_FILES:
         if (d / name).is_file():
-            path = d / name
-            summary_path = path.parent / "summary.json"
-            summary = _read_json(summary_path)
-            # ParquetFile, not read_table: a file that is not Parquet is one ValueError
-            with pq.ParquetFile(path) as fh:
-                table = fh.read()
-            found = verify_results(path, table, summary, summary_path,
-                                   configs=path.parent / "configs.json",
-                                   trust_unsigned=trust_unsigned)
-            if notes is not None:
-                notes.extend(found)
+            table, summary = read_verified(d / name, trust_unsigned=trust_unsigned,
+                                           notes=notes)
             return table.to_pandas(), summary
     raise ValueError(f"{d}: no results file found (expected one of {list(RESULT_FILES)})")
+
+
+def _configs_path(results_file: Path) -> Path:
+    """The run's ``configs.json``: beside the results (replay), or one level up for a
+    sweep's ``results/`` directory."""
+    here = results_file.parent / "configs.json"
+    if here.is_file() or results_file.parent.name != "results":
+        return here
+    return results_file.parent.parent / "configs.json"
+
+
+def _open_parquet(path: Path):
+    """``ParquetFile`` of a results file; a damaged one is a one-line error naming it."""
+    import pyarrow as pa
+
+    from tracesim.errors import UsageError
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise UsageError(f"{path}: not a readable Parquet file ({exc}), expected the results "
+                         "its summary.json describes") from None
+
+
+def read_verified(path: Path, *, trust_unsigned: bool = False, notes: list[str] | None = None,
+                  columns: list[str] | None = None, required: dict[str, str] | None = None):
+    """The verified rows (a ``pyarrow.Table``) and summary of one results file or a results
+    dataset's ``manifest.json``; ``columns`` limits what is read (after the checks)."""
+    from tracesim.integrity import verify_results
+    from tracesim.sweep.dataset import MANIFEST_FILE, read_dataset, verify_dataset
+
+    summary_path = path.parent / "summary.json"
+    summary = _read_json(summary_path)
+    if path.name == MANIFEST_FILE:
+        parts, found = verify_dataset(path.parent, summary, summary_path,
+                                      configs=_configs_path(path),
+                                      trust_unsigned=trust_unsigned, required=required)
+        table = read_dataset(parts, columns)
+    else:
+        with _open_parquet(path) as fh:
+            try:
+                table = fh.read()
+            except (OSError, ValueError) as exc:
+                from tracesim.errors import UsageError
+
+                raise UsageError(f"{path}: not a readable Parquet file ({exc})") from None
+        found = verify_results(path, table, summary, summary_path,
+                               configs=_configs_path(path), trust_unsigned=trust_unsigned,
+                               required=required)
+        _check_listed_ids(path, table, summary, summary_path)
+        if columns:
+            table = table.select(columns)
+    if notes is not None:
+        notes.extend(found)
+    return table, summary
+
+
+def _check_listed_ids(path: Path, table, summary: dict[str, Any] | None,
+                      summary_path: Path) -> None:
+    """Refuse a summary listing configuration ids that have no rows (a padded record)."""
+    from tracesim.errors import UsageError
+
+    listed = summary.get("config_ids") if isinstance(summary, dict) else None
+    if not isinstance(listed, list):
+        return
+    have = set(table["config_id"].unique().to_pylist())
+    empty = sorted(str(i) for i in set(listed) - have)
+    if empty:
+        raise UsageError(f"{summary_path}: field 'config_ids' lists {empty[0]!r} "
+                         f"({len(empty)} id(s)) with no rows in {path.name}, expected only "
+                         "configurations that have rows")
 
 
 def load_outcomes(directory: str | Path, *, trust_unsigned: bool = False,
@@ -73,7 +137,7 @@ def load_outcomes(directory: str | Path, *, trust_unsigned: bool = False,
         raise ValueError(f"{d}: no outcomes.parquet")
     summary_path = d / "summary.json"
     summary = _read_json(summary_path)
-    with pq.ParquetFile(path) as fh:
+    with _open_parquet(path) as fh:
         table = fh.read()
     found = verify_results(path, table, summary, summary_path, trust_unsigned=trust_unsigned,
                            required=OUTCOME_COLUMNS, keys=OUTCOME_KEYS)
@@ -102,7 +166,7 @@ def load_peers(directories: list[str | Path] | tuple[str | Path, ...]) -> pd.Dat
         if not path.is_file():
             raise ValueError(f"{d}: no peers.parquet, expected a tracesim peers output "
                              "directory")
-        with pq.ParquetFile(path) as fh:
+        with _open_parquet(path) as fh:
             table = fh.read()
         missing = [c for c in PEER_CLAIM_COLUMNS if c not in table.column_names]
         if missing:
