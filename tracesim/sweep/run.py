@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from tracesim.atomic import DirLock, atomic_write_text, remove_stale_tmp
+from tracesim.atomic import DirLock, atomic_write_text, check_file_targets, remove_stale_tmp
 from tracesim.errors import UsageError
 from tracesim.provenance import prereg_record
 from tracesim.sweep.backends import BACKENDS, Events, run_dask, run_local
@@ -185,6 +185,7 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
                 (out_dir / "results").exists() and not (out_dir / "results").is_dir()):
             raise UsageError(f"{out_dir / 'results'}: is not a directory, expected the "
                              "sweep's results directory (or nothing)")
+        check_file_targets(out_dir / "results", [MANIFEST_FILE, "summary.json"])
         plan = plan_tasks(spec)
         _prepare(spec, plan, out_dir)
         pending = [t for t in plan.tasks if not task_file_ok(out_dir, t)]
