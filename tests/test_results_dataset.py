@@ -285,3 +285,26 @@ def test_failed_publication_keeps_the_earlier_results(sweeps, tmp_path, monkeypa
     summary = run_sweep(sweeps / "spec.yaml", workers=1, out=s, progress=False)
     assert summary.complete and summary.tasks["skipped"] == 4
     assert load_results(s)[0].equals(load_results(sweeps / "a")[0])
+
+
+def test_frontier_and_export_read_the_dataset(sweeps, tmp_path):
+    from tracesim.analysis.frontier_cli import load_frontier_results
+
+    from tracesim.export import export_results
+
+    d = _legacy(sweeps, tmp_path)
+    new = load_frontier_results(sweeps / "a")
+    old = load_frontier_results(d)
+    assert new.equals(old) and list(new.dtypes) == list(old.dtypes)
+    out, rows = export_results(sweeps / "a", tmp_path / "csv", "csv")
+    assert rows == len(new) and (out / "results.csv").is_file()
+    out, rows = export_results(sweeps / "a", tmp_path / "ds", "parquet-dataset")
+    assert rows == len(new)
+    (sweeps / "a" / "results" / "parts" / "part-00000.parquet").rename(tmp_path / "away")
+    try:
+        with pytest.raises(ValueError, match="part-00000.parquet"):
+            export_results(sweeps / "a", tmp_path / "csv2", "csv")
+        with pytest.raises(ValueError, match="part-00000.parquet"):
+            load_frontier_results(sweeps / "a")
+    finally:
+        (tmp_path / "away").rename(sweeps / "a" / "results" / "parts" / "part-00000.parquet")

@@ -38,7 +38,8 @@ from tracesim.errors import UsageError
 from tracesim.safeio import loads_json
 from tracesim.sweep.tasks import META_KEY, Task
 
-__all__ = ["DATASET_FORMAT", "MANIFEST_FILE", "PARTS_DIR", "dataset_parts", "read_dataset",
+__all__ = ["DATASET_FORMAT", "MANIFEST_FILE", "PARTS_DIR", "dataset_columns", "dataset_parts",
+           "read_dataset",
            "verify_dataset", "write_dataset"]
 
 #: ``format`` field of a results manifest (with ``version``).
@@ -228,6 +229,11 @@ def dataset_parts(results_dir: str | os.PathLike) -> list[Path]:
     :func:`verify_dataset` before trusting them)."""
     d = Path(results_dir)
     return [d / p["file"] for p in _load_manifest(d)["parts"]]
+
+
+def dataset_columns(results_dir: str | os.PathLike) -> list[str]:
+    """The column names a manifest records (unverified, as :func:`dataset_parts`)."""
+    return [c[0] for c in _load_manifest(Path(results_dir))["schema"]]
 
 
 def verify_dataset(results_dir: str | os.PathLike, summary: dict[str, Any] | None,
