@@ -243,7 +243,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``tracesim export``."""
     p = subparsers.add_parser(
         "export", help="export results as CSV or a hive-partitioned Parquet dataset",
-        description="Export the results of a sweep (OUT/results/results.parquet), a replay "
+        description="Export the results of a sweep (OUT/results/: its parts as one table), a "
+        "replay "
         "(replay.parquet) or an in-loop run (outcomes.parquet). 'parquet-dataset' writes one "
         "directory per score/design/budget (hive partitioning) that pyarrow.dataset, DuckDB "
         "and polars read with partition pruning; 'csv' writes one file with a header row and "
