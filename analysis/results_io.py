@@ -56,7 +56,8 @@ def _configs_path(results_file: Path) -> Path:
     """The run's ``configs.json``: beside the results (replay), or one level up for a
     sweep's ``results/`` directory."""
     here = results_file.parent / "configs.json"
-    if here.is_file() or results_file.parent.name != "results":
+    if here.is_file() or results_file.parent.name != "results" or results_file.name not in (
+            "results.parquet", "manifest.json"):
         return here
     return results_file.parent.parent / "configs.json"
 
