@@ -308,3 +308,16 @@ def test_frontier_and_export_read_the_dataset(sweeps, tmp_path):
             load_frontier_results(sweeps / "a")
     finally:
         (tmp_path / "away").rename(sweeps / "a" / "results" / "parts" / "part-00000.parquet")
+
+
+def test_killed_between_the_two_renames_then_resumed(sweeps, tmp_path):
+    """kill -9 after the old results moved aside and before the new took their name: the next
+    run removes both stages and republishes from the task files."""
+    s = _copy(sweeps, tmp_path)
+    (s / "results").rename(s / ".stage.old-results.1.deadbeef.tmp")
+    (s / ".stage.results.1.deadbeef.tmp" / "parts").mkdir(parents=True)
+    (s / ".stage.results.1.deadbeef.tmp" / "parts" / "part-00000.parquet").write_bytes(b"PAR1")
+    summary = run_sweep(sweeps / "spec.yaml", workers=1, out=s, progress=False)
+    assert summary.complete and summary.tasks["skipped"] == 4 and summary.tasks["done"] == 0
+    assert not [p for p in s.iterdir() if p.name.startswith(".stage.")]
+    assert load_results(s)[0].equals(load_results(sweeps / "a")[0])
