@@ -48,7 +48,9 @@ def load_results(directory: str | Path, *, trust_unsigned: bool = False,
         if (d / name).is_file():
             table, summary = read_verified(d / name, trust_unsigned=trust_unsigned,
                                            notes=notes)
-            return table.to_pandas(), summary
+            # Arrow buffers are released column by column as pandas takes them over, so the
+            # table and the frame are not both whole in memory at the peak
+            return table.to_pandas(self_destruct=True, split_blocks=True), summary
     raise ValueError(f"{d}: no results file found (expected one of {list(RESULT_FILES)})")
 
 
