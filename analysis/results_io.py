@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pyarrow.parquet as pq
 
-__all__ = ["PEER_CLAIM_COLUMNS", "RESULT_FILES", "load_outcomes", "load_peers",
+__all__ = ["PEER_CLAIM_COLUMNS", "REPORT_COLUMNS", "RESULT_FILES", "load_outcomes", "load_peers",
            "load_results", "read_verified"]
 
 #: Where results are looked for in an output directory, in this order: a sweep's results
@@ -19,6 +20,20 @@ RESULT_FILES = ("results/manifest.json", "manifest.json", "results/results.parqu
                 "results.parquet", "replay.parquet")
 #: Columns of ``peers.parquet`` that claim C10 reads.
 PEER_CLAIM_COLUMNS = ("sequence_id", "config_id", "peer_bound_ok", "peer_den_ok", "kept_tokens")
+#: Results columns that ``tracesim report`` (its claims, figures, tables and provenance) reads:
+#: the projection :func:`load_results` pushes into the Parquet reads, so the ~20 columns no
+#: consumer reads (diagnostics such as ``design_params``, ``err2_sd``, ``layer_err2``) never
+#: reach memory. Columns absent from a table (optional ones, older versions) are skipped.
+#: ``tests/test_results_dataset.py`` checks that every documented results column quoted in
+#: the analysis code is listed here.
+REPORT_COLUMNS = (
+    "store", "model_id", "sequence_id", "task", "correct", "layer", "head", "kv_head",
+    "query_position", "query_role", "prompt_length", "n_positions", "config_id", "score",
+    "design", "correction", "budget", "budget_unit", "allocator", "alpha", "beta", "schedule",
+    "sinks", "window", "top_fraction", "mixture", "floor", "score_params", "certified",
+    "summary_page", "deployable", "seed", "n_seeds", "err2", "rel_err", "cert2", "tail_size",
+    "n_eff", "wald_cov", "wald_t_cov", "sat_cov", "sat_t_cov", "kept_tokens", "tail_out_mass",
+    "max_tail_weight", "bound2", "bound_cov", "summary_tokens", "boot_cov", "boot_cert2")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -34,20 +49,23 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def load_results(directory: str | Path, *, trust_unsigned: bool = False,
-                 notes: list[str] | None = None) -> tuple[pd.DataFrame, dict[str, Any] | None]:
+                 notes: list[str] | None = None, columns: Sequence[str] | None = None,
+                 ) -> tuple[pd.DataFrame, dict[str, Any] | None]:
     """The replay results table and its summary from a sweep or replay output directory.
 
     The table must match what its ``summary.json`` records (row count, sha256, configuration
     ids) and have unique result keys and the required columns
     (:func:`tracesim.integrity.verify_results`); otherwise ``UsageError``. Results whose
     summary records nothing (written before tracesim recorded it) are refused unless
-    ``trust_unsigned``, which appends a warning to ``notes`` instead.
+    ``trust_unsigned``, which appends a warning to ``notes`` instead. ``columns`` (e.g.
+    :data:`REPORT_COLUMNS`) limits what is read to those of them the table has, after the
+    checks; the rest are never read from the part files.
     """
     d = Path(directory)
     for name in RESULT_FILES:
         if (d / name).is_file():
             table, summary = read_verified(d / name, trust_unsigned=trust_unsigned,
-                                           notes=notes)
+                                           notes=notes, columns=columns, present_only=True)
             # Arrow buffers are released column by column as pandas takes them over, so the
             # table and the frame are not both whole in memory at the peak
             return table.to_pandas(self_destruct=True, split_blocks=True), summary
@@ -78,9 +96,11 @@ def _open_parquet(path: Path):
 
 
 def read_verified(path: Path, *, trust_unsigned: bool = False, notes: list[str] | None = None,
-                  columns: list[str] | None = None, required: dict[str, str] | None = None):
+                  columns: Sequence[str] | None = None, required: dict[str, str] | None = None,
+                  present_only: bool = False):
     """The verified rows (a ``pyarrow.Table``) and summary of one results file or a results
-    dataset's ``manifest.json``; ``columns`` limits what is read (after the checks)."""
+    dataset's ``manifest.json``; ``columns`` limits what is read (after the checks), to those
+    the table has if ``present_only``."""
     from tracesim.integrity import verify_results
     from tracesim.sweep.dataset import MANIFEST_FILE, read_dataset, verify_dataset
 
@@ -90,6 +110,9 @@ def read_verified(path: Path, *, trust_unsigned: bool = False, notes: list[str] 
         parts, found = verify_dataset(path.parent, summary, summary_path,
                                       configs=_configs_path(path),
                                       trust_unsigned=trust_unsigned, required=required)
+        if columns and present_only and parts:
+            have = set(pq.read_schema(parts[0]).names)
+            columns = [c for c in columns if c in have]
         table = read_dataset(parts, columns)
     else:
         with _open_parquet(path) as fh:
@@ -104,7 +127,8 @@ def read_verified(path: Path, *, trust_unsigned: bool = False, notes: list[str] 
                                required=required)
         _check_listed_ids(path, table, summary, summary_path)
         if columns:
-            table = table.select(columns)
+            table = table.select([c for c in columns if c in table.column_names]
+                                 if present_only else list(columns))
     if notes is not None:
         notes.extend(found)
     return table, summary

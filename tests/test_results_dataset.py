@@ -5,6 +5,7 @@ the field), and report the same claims as from the single file of earlier versio
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -13,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from tracesim.analysis.results_io import load_results
+from tracesim.analysis.results_io import REPORT_COLUMNS, load_results
 
 from tests.sweep_fixtures import build_sweep_store
 from tracesim.app.cli import main as cli_main
@@ -321,3 +322,30 @@ def test_killed_between_the_two_renames_then_resumed(sweeps, tmp_path):
     assert summary.complete and summary.tasks["skipped"] == 4 and summary.tasks["done"] == 0
     assert not [p for p in s.iterdir() if p.name.startswith(".stage.")]
     assert load_results(s)[0].equals(load_results(sweeps / "a")[0])
+
+
+def test_projection_reads_only_the_columns_asked_for_on_both_layouts(sweeps, tmp_path):
+    full = load_results(sweeps / "a")[0]
+    asked = [*REPORT_COLUMNS, "not_a_column"]
+    kept = [c for c in asked if c in full.columns]
+    assert "design_params" in full.columns and "design_params" not in kept
+    for d in (sweeps / "a", _legacy(sweeps, tmp_path)):
+        df = load_results(d, columns=asked)[0]
+        assert list(df.columns) == kept
+        assert df.equals(full[kept])
+
+
+def test_report_columns_cover_every_results_column_the_analysis_code_quotes():
+    """A results column a claim, figure or table starts reading must join the report's
+    projection, or the report would silently lose it."""
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "columns.md").read_text()
+    section = doc.split("## Replay and sweep results")[1].split("## Evict outcomes")[0]
+    documented = set(re.findall(r"^\| *`([a-z_0-9]+)`", section, re.M))
+    assert {"err2", "design_params"} <= documented
+    quoted = set()
+    for src in (root / "analysis").glob("*.py"):
+        if src.name != "results_io.py":
+            quoted |= set(re.findall(r"[\"']([a-z_0-9]+)[\"']", src.read_text()))
+    missing = (documented & quoted) - set(REPORT_COLUMNS)
+    assert not missing, f"add {sorted(missing)} to REPORT_COLUMNS"
