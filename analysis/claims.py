@@ -167,4 +167,7 @@ def eviction_rows(results: pd.DataFrame) -> pd.DataFrame:
     ``schedule`` column are returned as they are."""
     if "schedule" not in results:
         return results
-    return results[results["schedule"] != "step"]
+    keep = results["schedule"] != "step"
+    # Without per-step rows the filter would copy the whole table for nothing; a shallow copy
+    # (copy-on-write) holds the same rows in the same order.
+    return results.copy(deep=False) if keep.all() else results[keep]

@@ -52,14 +52,15 @@ RULES_FILE = "validity_rules.json"
 
 def c8_rows(results: pd.DataFrame, claim: dict[str, Any]) -> pd.DataFrame:
     """The certified, deployable rows of the configurations C8 compares."""
-    df = results[results["certified"].astype(bool) & results["cert2"].notna()]
+    # One mask, one copy: filtering step by step would hold a copy of the table per step.
+    keep = results["certified"].astype(bool) & results["cert2"].notna()
     for key, value in claim.get("compare", {}).items():
-        if key in df:
-            df = df[df[key].isin(value if isinstance(value, list) else [value])]
+        if key in results:
+            keep &= results[key].isin(value if isinstance(value, list) else [value])
     if claim.get("deployable_only", True):
-        df = df[df["deployable"].astype(bool)] if "deployable" in df else df[
-            df["score"] != "oracle"]
-    return df
+        keep &= (results["deployable"].astype(bool) if "deployable" in results
+                 else results["score"] != "oracle")
+    return results[keep]
 
 
 def evaluate_c8(results: pd.DataFrame, prereg,

@@ -32,7 +32,10 @@ def error_budget_figure(results: pd.DataFrame) -> bytes:
     """Mean relative attention error vs budget, one line per (score, design)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    df = results[results["budget_unit"] == "fraction"].copy()
+    # only the columns drawn and labelled are copied (policy_labels reads the last four)
+    df = results.loc[results["budget_unit"] == "fraction", [
+        c for c in ("score", "design", "budget", "rel_err", "mixture", "top_fraction",
+                    "allocator") if c in results.columns]]
     # Designs that ignore the score give identical rows for every score: one line, one label.
     df["label"] = policy_labels(df)
     for label, g in df.groupby("label"):
@@ -69,7 +72,8 @@ def roc_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
 def head_budget_figure(results: pd.DataFrame) -> bytes:
     """Mean kept tokens per (layer, KV head) for each allocator of the certified policies."""
     plt = pyplot()
-    df = results[results["score"] != "full"]
+    df = results.loc[results["score"] != "full",
+                     ["allocator", "layer", "kv_head", "kept_tokens"]]
     allocs = sorted(df["allocator"].dropna().unique()) or ["uniform"]
     fig, axes = plt.subplots(1, len(allocs), figsize=(4.2 * len(allocs), 3.6), squeeze=False)
     pivs = {a: df[df["allocator"] == a].pivot_table(index="layer", columns="kv_head",

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tracesim.analysis.frontier import (
     AIM,
@@ -42,7 +43,8 @@ __all__ = ["FILES", "load_frontier_results", "pareto_figure", "perstep_costs_mar
 
 FILES = ("frontier.parquet", "frontier.md", "frontier.png", "validity_rules.json")
 _DEFAULT_PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
-_RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet")
+_RESULT_FILES = ("results/manifest.json", "manifest.json", "results/results.parquet",
+                 "results.parquet", "replay.parquet")
 
 
 def load_frontier_results(path: str | Path) -> pd.DataFrame:
@@ -56,6 +58,8 @@ def load_frontier_results(path: str | Path) -> pd.DataFrame:
         p = found[0]
     if not p.is_file():
         raise ValueError(f"{p}: no such results file")
+    if p.name == "manifest.json":
+        return _load_frontier_dataset(p)
     names = pq.read_schema(p).names
     missing = [c for c in REQUIRED_COLUMNS if c not in names]
     if missing:
@@ -84,6 +88,33 @@ def load_frontier_results(path: str | Path) -> pd.DataFrame:
     df = table.drop_columns(keys).to_pandas()
     for c in strings:
         if c not in ("sequence_id", "config_id"):
+            df[c] = df[c].astype(str)
+    return df
+
+
+def _load_frontier_dataset(manifest: Path) -> pd.DataFrame:
+    """The frontier's columns of a sweep's results dataset, verified part by part."""
+    from tracesim.analysis.results_io import read_verified
+
+    from tracesim.sweep.dataset import dataset_columns
+
+    names = dataset_columns(manifest.parent)
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
+    if missing:
+        raise ValueError(f"{manifest}: results lack the columns {missing}")
+    cols = [c for c in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS) if c in names]
+    notes: list[str] = []
+    table, _ = read_verified(manifest, trust_unsigned=True, notes=notes, columns=cols,
+                             required={})
+    for note in notes:
+        print(f"tracesim frontier: note: {note}", file=sys.stderr)
+    # as the single-file path: strings kept as categoricals except the free-text columns
+    table = pa.table({c: (pc.dictionary_encode(table[c])
+                          if pa.types.is_string(table[c].type) else table[c])
+                      for c in table.column_names})
+    df = table.to_pandas()
+    for c in cols:
+        if pa.types.is_dictionary(table[c].type) and c not in ("sequence_id", "config_id"):
             df[c] = df[c].astype(str)
     return df
 

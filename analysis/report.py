@@ -40,7 +40,13 @@ from tracesim.analysis.fetch import compare_fetch, fetch_figure, fetch_table, sp
 from tracesim.analysis.multiplicity import holm
 from tracesim.analysis.prereg import Preregistration, check_prereg_hash, load_prereg
 from tracesim.analysis.provenance import Provenance, collect_provenance
-from tracesim.analysis.results_io import _read_json, load_outcomes, load_peers, load_results
+from tracesim.analysis.results_io import (
+    REPORT_COLUMNS,
+    _read_json,
+    load_outcomes,
+    load_peers,
+    load_results,
+)
 from tracesim.analysis.verify_inputs import check_adversary, verify_traces
 
 from tracesim.plugins import provenance
@@ -111,7 +117,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     load_notes: list[str] = []
     if results_dir is not None:
         results, summary_r = load_results(results_dir, trust_unsigned=trust_unsigned,
-                                          notes=load_notes)
+                                          notes=load_notes, columns=REPORT_COLUMNS)
     if outcomes_dir is not None:
         outcomes, summary_o = load_outcomes(outcomes_dir, trust_unsigned=trust_unsigned,
                                             notes=load_notes)

@@ -36,14 +36,16 @@ def policy_labels(df: pd.DataFrame) -> pd.Series:
     return label.where(~free, design + " (any score)")
 
 
-def _certified(df: pd.DataFrame) -> pd.DataFrame:
+def _certified(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """The certified rows with a positive certificate, only ``columns`` of them (those the
+    table has): a figure copies what it draws, not every results column."""
     ok = df["certified"].astype(bool) & df["cert2"].notna() & df["err2"].notna()
-    return df[ok & (df["cert2"] > 0)]
+    return df.loc[ok & (df["cert2"] > 0), [c for c in dict.fromkeys(columns) if c in df.columns]]
 
 
 def certificate_error_figure(results: pd.DataFrame) -> tuple[bytes, str] | None:
     """Realised error |ô − o| against the certificate C = sqrt(tr V̂), log–log, with y = x."""
-    df = _certified(results)
+    df = _certified(results, ["design", "cert2", "err2", "sequence_id"])
     if df.empty:
         return None
     plt = pyplot()
@@ -103,7 +105,7 @@ def _log_norm(vmax: float):
 def coverage_level_figure(results: pd.DataFrame,
                           head_dim: int | None = None) -> tuple[bytes, str] | None:
     """Empirical coverage of |e| <= z C across nominal levels (``calibration_curve``)."""
-    df = _certified(results)
+    df = _certified(results, ["design", "cert2", "err2", "sequence_id"])
     if df.empty:
         return None
     plt = pyplot()
@@ -193,7 +195,7 @@ def coverage_heatmap(results: pd.DataFrame, column: str, nominal: float,
                      min_clusters: int = MIN_CLUSTERS) -> tuple[bytes, str] | None:
     """Coverage per (layer, query head), one panel per certified design, fixed diverging
     scale centred on nominal; cells with fewer than ``min_clusters`` sequences are masked."""
-    df = _certified(results)
+    df = _certified(results, ["design", "cert2", "err2", "sequence_id", "layer", "head", column])
     if df.empty or column not in df or df[column].notna().sum() == 0:
         return None
     from matplotlib.colors import TwoSlopeNorm

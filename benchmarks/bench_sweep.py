@@ -93,7 +93,7 @@ def tiny_spec(store: Path) -> dict:
 def sorted_results(out: Path):
     import pandas as pd
 
-    df = pd.read_parquet(out / "results" / "results.parquet")
+    df = pd.read_parquet(out / "results" / "parts")
     keys = ["store", "sequence_id", "layer", "config_id", "head", "query_index", "seed"]
     return df.sort_values(keys).reset_index(drop=True)
 

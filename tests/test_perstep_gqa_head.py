@@ -260,7 +260,7 @@ def test_sweep_grid_crosses_gqa_and_is_identical_on_one_and_two_workers(tmp_path
     keys = ["sequence_id", "layer", "config_id", "head", "query_index"]
 
     def rows(out):
-        df = pd.read_parquet(out / "results" / "results.parquet")
+        df = pd.read_parquet(out / "results" / "parts")
         return df.sort_values(keys).reset_index(drop=True)
 
     one = run_sweep(tmp_path / "spec.yaml", workers=1, out=tmp_path / "one", progress=False)

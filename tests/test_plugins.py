@@ -88,7 +88,7 @@ def _spec(store: Path, out: Path) -> dict:
 
 
 def _results(out: Path) -> pd.DataFrame:
-    df = pq.read_table(out / "results" / "results.parquet").to_pandas()
+    df = pq.read_table(out / "results" / "parts").to_pandas()
     return df.sort_values(KEYS).reset_index(drop=True)
 
 

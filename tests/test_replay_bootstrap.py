@@ -242,7 +242,7 @@ def test_sweep_with_bootstrap_is_identical_on_one_and_two_workers(tmp_path):
         summary = run_sweep(spec, workers=workers, threads_per_worker=1, out=out,
                             progress=False)
         assert summary.complete
-        df = pq.read_table(out / "results" / "results.parquet").to_pandas()
+        df = pq.read_table(out / "results" / "parts").to_pandas()
         frames.append(df.sort_values(keys).reset_index(drop=True))
     assert {"boot_cov", "boot_cert2"} <= set(frames[0].columns)
     assert frames[0]["boot_cov"].notna().any()

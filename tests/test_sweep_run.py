@@ -41,7 +41,8 @@ def env(tmp_path_factory):
 
 
 def results(out: Path) -> pd.DataFrame:
-    df = pq.read_table(out / "results" / "results.parquet").to_pandas()
+    # the parts directory as any Parquet reader sees it (parts are named in row order)
+    df = pq.read_table(out / "results" / "parts").to_pandas()
     assert not df.duplicated(KEYS).any()
     return df.sort_values(KEYS).reset_index(drop=True)
 
@@ -69,7 +70,7 @@ def test_summary_and_equivalence_with_in_process_replay(env, reference):
     direct.insert(0, "store", "store")
     direct = direct.sort_values(KEYS).reset_index(drop=True)
     pd.testing.assert_frame_equal(reference, direct, check_exact=True)
-    # A rerun finds everything finished and reuses the compacted results.
+    # A rerun finds everything finished and reuses the published results.
     again = run_sweep(env / "spec.yaml", out=env / "ref", progress=False)
     assert again.tasks["skipped"] == 9 and again.tasks["done"] == 0
     pd.testing.assert_frame_equal(results(env / "ref"), reference, check_exact=True)
@@ -79,8 +80,8 @@ def test_summary_and_equivalence_with_in_process_replay(env, reference):
 
     ids = sorted(p.id for p in spec.policies)
     for doc in (summary, json.loads((env / "ref" / "results" / "summary.json").read_text())):
-        assert doc["results_file"] == "results.parquet" and doc["config_ids"] == ids
-        assert doc["results_sha256"] == sha256_file(env / "ref" / "results" / "results.parquet")
+        assert doc["results_file"] == "manifest.json" and doc["config_ids"] == ids
+        assert doc["results_sha256"] == sha256_file(env / "ref" / "results" / "manifest.json")
     df, _ = load_results(env / "ref")
     assert len(df) == len(reference)
 
@@ -120,7 +121,7 @@ def test_sigkill_whole_sweep_then_resume_exactly_once(env, reference):
     proc.wait(timeout=30)
     finished = [p for p in (out / "tasks").rglob("*.parquet") if not p.name.startswith(".")]
     assert 1 <= len(finished) < 9
-    assert not (out / "results" / "results.parquet").exists()
+    assert not (out / "results" / "manifest.json").exists()
     # A partial file under a final name, and a foreign file, must not reach the results.
     plan = plan_tasks(load_spec(env / "spec.yaml", output=out))
     pending = [t for t in plan.tasks if not (out / t.path).exists()]
@@ -165,7 +166,8 @@ def test_failing_task_is_reported_then_resumed(env, reference, tmp_path):
     assert summary.tasks["failed"] == 3 and summary.tasks["retries"] == 3
     assert summary.tasks["done"] == 6
     assert all("/s1/" in f["task"] for f in summary.failures)
-    assert not (tmp_path / "out" / "results" / "results.parquet").exists()
+    assert not (tmp_path / "out" / "results" / "manifest.json").exists()
+    assert not (tmp_path / "out" / "results" / "parts").exists()
     saved = json.loads((tmp_path / "out" / "results" / "summary.json").read_text())
     assert saved["complete"] is False and len(saved["failures"]) == 3
     seq_file.write_bytes(good)

@@ -190,7 +190,7 @@ def test_dry_run_prints_plan_and_runs_nothing(store_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "tasks: 9" in text and "49 configuration(s)" in text
     assert "query-position evaluations" in text and "time: ~" in text
-    assert "results/results.parquet" in text and "tasks/<store>/<sequence>/" in text
+    assert "results/manifest.json" in text and "tasks/<store>/<sequence>/" in text
     assert not (tmp_path / "dry").exists()
     # The configs the workers will read survive their JSON round trip.
     spec = load_spec(spec_path)

@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -33,8 +34,8 @@ FORMATS = ("csv", "parquet-dataset")
 #: Hive partition keys of ``parquet-dataset``, outermost first.
 PARTITION_COLUMNS = ("score", "design", "budget")
 #: Result files looked for in a results directory, in this order.
-RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet",
-                "outcomes.parquet")
+RESULT_FILES = ("results/manifest.json", "manifest.json", "results/results.parquet",
+                "results.parquet", "replay.parquet", "outcomes.parquet")
 
 
 class ExportError(ValueError):
@@ -42,10 +43,11 @@ class ExportError(ValueError):
 
 
 def find_results(path: str | os.PathLike) -> Path:
-    """The Parquet results file of a sweep, replay or evict output (or the file itself)."""
+    """The Parquet results file of a sweep, replay or evict output (or the file itself), or the
+    ``manifest.json`` of a sweep's results dataset (:mod:`tracesim.sweep.dataset`)."""
     p = Path(path)
     if p.is_file():
-        if p.suffix != ".parquet":
+        if p.suffix != ".parquet" and p.name != "manifest.json":
             raise ExportError(f"{p}: not a Parquet file (expected a .parquet file or a results "
                               f"directory holding one of {list(RESULT_FILES)})")
         return p
@@ -77,20 +79,46 @@ def _open(source: Path) -> pq.ParquetFile:
         raise ExportError(f"{source}: not a readable Parquet file ({exc})") from None
 
 
+def _source(source: Path, batch_rows: int) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """Schema and record batches of a results file, or of a results dataset's parts, in order
+    (a dataset is verified part by part first, as the report verifies it)."""
+    if source.name != "manifest.json":
+        pf = _open(source)
+        return pf.schema_arrow, pf.iter_batches(batch_size=batch_rows)
+    from tracesim.errors import UsageError
+    from tracesim.safeio import read_json
+    from tracesim.sweep.dataset import verify_dataset
+
+    summary_path = source.parent / "summary.json"
+    try:
+        summary = read_json(summary_path, "results summary") if summary_path.is_file() else None
+        parts, _ = verify_dataset(source.parent, summary if isinstance(summary, dict) else None,
+                                  summary_path, configs=source.parent.parent / "configs.json",
+                                  trust_unsigned=True, required={})
+    except UsageError as exc:
+        raise ExportError(str(exc)) from None
+    schema = _open(parts[0]).schema_arrow.remove_metadata()
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for part in parts:
+            for batch in _open(part).iter_batches(batch_size=batch_rows):
+                yield pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+    return schema, batches()
+
+
 def _write_csv(source: Path, tmp: Path, name: str, batch_rows: int) -> int:
-    pf = _open(source)
+    schema, batches = _source(source, batch_rows)
     rows = 0
     options = pacsv.WriteOptions(include_header=True)  # nulls are written as empty fields
-    with pacsv.CSVWriter(tmp / f"{name}.csv", pf.schema_arrow, write_options=options) as writer:
-        for batch in pf.iter_batches(batch_size=batch_rows):
+    with pacsv.CSVWriter(tmp / f"{name}.csv", schema, write_options=options) as writer:
+        for batch in batches:
             writer.write_batch(batch)
             rows += batch.num_rows
     return rows
 
 
 def _write_dataset(source: Path, tmp: Path, batch_rows: int, max_rows_per_file: int) -> int:
-    pf = _open(source)
-    schema = pf.schema_arrow
+    schema, source_batches = _source(source, batch_rows)
     missing = [c for c in PARTITION_COLUMNS if c not in schema.names]
     if missing:
         raise ExportError(f"{source}: column(s) {missing} missing; a parquet-dataset is "
@@ -99,7 +127,7 @@ def _write_dataset(source: Path, tmp: Path, batch_rows: int, max_rows_per_file: 
     rows = [0]
 
     def batches():
-        for batch in pf.iter_batches(batch_size=batch_rows):
+        for batch in source_batches:
             rows[0] += batch.num_rows
             yield _budget_as_null(batch)
 
@@ -162,7 +190,8 @@ def export_results(results: str | os.PathLike, out: str | os.PathLike, fmt: str,
     tmp.mkdir()
     try:
         if fmt == "csv":
-            rows = _write_csv(source, tmp, source.stem, batch_rows)
+            name = "results" if source.name == "manifest.json" else source.stem
+            rows = _write_csv(source, tmp, name, batch_rows)
         else:
             rows = _write_dataset(source, tmp, batch_rows, max_rows_per_file)
         mark_output(tmp, "export")
@@ -214,7 +243,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``tracesim export``."""
     p = subparsers.add_parser(
         "export", help="export results as CSV or a hive-partitioned Parquet dataset",
-        description="Export the results of a sweep (OUT/results/results.parquet), a replay "
+        description="Export the results of a sweep (OUT/results/: its parts as one table), a "
+        "replay "
         "(replay.parquet) or an in-loop run (outcomes.parquet). 'parquet-dataset' writes one "
         "directory per score/design/budget (hive partitioning) that pyarrow.dataset, DuckDB "
         "and polars read with partition pruning; 'csv' writes one file with a header row and "

@@ -9,9 +9,9 @@ grid of policies, seeds and what to record (:mod:`tracesim.sweep.spec`,
 :mod:`tracesim.policies.grid`). The sweep is partitioned into tasks (one sequence × a chunk of
 layers × a chunk of configurations, :mod:`tracesim.sweep.tasks`), each writing one Parquet file
 atomically under a deterministic name; a local process pool or Dask runs them
-(:mod:`tracesim.sweep.backends`); a rerun skips finished tasks; the last step compacts the
-task files into ``results/results.parquet`` plus ``results/summary.json``
-(:mod:`tracesim.sweep.compact`). See ``docs/sweeps.md``.
+(:mod:`tracesim.sweep.backends`); a rerun skips finished tasks; the last step publishes the
+task files as the results dataset ``results/`` (parts, ``manifest.json``, ``summary.json``;
+:mod:`tracesim.sweep.dataset`). See ``docs/sweeps.md``.
 """
 
 from __future__ import annotations

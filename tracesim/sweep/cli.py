@@ -14,8 +14,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "sweep", help="run a declarative sweep (YAML spec) locally or on Dask; resumable",
         description="Replay the spec's grid of policies over its trace stores, one Parquet "
-        "file per task, then compact them into OUT/results/results.parquet and "
-        "OUT/results/summary.json. Rerunning skips finished tasks. See docs/sweeps.md.",
+        "file per task, then publish them as the dataset OUT/results/ (parts/, one per task; "
+        "manifest.json with every part's rows and sha256; summary.json). Rerunning skips "
+        "finished tasks. See docs/sweeps.md.",
         epilog="examples:\n  tracesim sweep data/sweeps/example.yaml --dry-run\n"
         "  tracesim sweep data/sweeps/example.yaml --workers 2 --out sweep-out/")
     p.add_argument("spec", metavar="SPEC", help="sweep spec (YAML)")

@@ -124,6 +124,8 @@ def describe(spec: SweepSpec, *, workers: int | None = None, threads: int | None
               "  spec.yaml, spec.json, configs.json      the spec and expanded configurations",
               "  tasks/<store>/<sequence>/L<first>-<last>_c<a>-<b>_<key>.parquet   one per "
               f"task ({len(plan.tasks)})",
-              f"  results/results.parquet                 every row once ({rows} rows)",
+              f"  results/parts/part-NNNNN.parquet        one part per task: every row once "
+              f"({rows} rows)",
+              "  results/manifest.json                   rows and sha256 of every part, schema",
               "  results/summary.json                    counts, hashes, wall time"]
     return "\n".join(lines)

@@ -1,8 +1,10 @@
-"""Running a sweep: plan, skip finished tasks, execute on a backend, compact, summarize."""
+"""Running a sweep: plan, skip finished tasks, execute on a backend, publish the results
+dataset (parts + manifest), summarize."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -13,21 +15,15 @@ import yaml
 
 from tracesim.atomic import (
     DirLock,
-    atomic_files,
     atomic_write_text,
     check_file_targets,
     remove_stale_tmp,
 )
 from tracesim.digests import prereg_record
-from tracesim.integrity import results_record
+from tracesim.errors import UsageError
 from tracesim.sweep.backends import BACKENDS, Events, run_dask, run_local
-from tracesim.sweep.compact import (
-    RESULTS_FILE,
-    SUMMARY_FILE,
-    compact,
-    tasks_digest,
-    write_json,
-)
+from tracesim.sweep.compact import SUMMARY_FILE, tasks_digest, write_json
+from tracesim.sweep.dataset import MANIFEST_FILE, PARTS_DIR, write_dataset
 from tracesim.sweep.spec import SpecError, SweepSpec, load_spec, parse_spec
 from tracesim.sweep.tasks import TaskPlan, plan_tasks, task_file_ok
 from tracesim.sweep.worker import write_configs
@@ -42,7 +38,8 @@ class SweepSummary:
     Attributes
     ----------
     complete : bool
-        Every task finished and ``results/results.parquet`` holds all their rows.
+        Every task finished and the dataset ``results/`` (parts and ``manifest.json``,
+        :mod:`tracesim.sweep.dataset`) holds all their rows.
     tasks : dict
         ``total``, ``done`` (run now), ``skipped`` (finished before), ``failed``,
         ``retries``.
@@ -73,7 +70,7 @@ class SweepSummary:
     failures: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     created: str = ""
-    #: :func:`tracesim.integrity.results_record` of the results (absent: incomplete sweep)
+    #: ``manifest.json``, its sha256, and the configuration ids (absent: incomplete sweep)
     results_file: str | None = None
     results_sha256: str | None = None
     config_ids: list[str] = field(default_factory=list)
@@ -188,8 +185,12 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = DirLock(out_dir, "sweep")
     try:
-        # a directory in the way of results/ files is refused before hours of tasks
-        check_file_targets(out_dir / "results", ["results.parquet", "summary.json"])
+        # a file in the way of the results directory is refused before hours of tasks
+        if (out_dir / "results").is_symlink() or (
+                (out_dir / "results").exists() and not (out_dir / "results").is_dir()):
+            raise UsageError(f"{out_dir / 'results'}: is not a directory, expected the "
+                             "sweep's results directory (or nothing)")
+        check_file_targets(out_dir / "results", [MANIFEST_FILE, "summary.json"])
         plan = plan_tasks(spec)
         _prepare(spec, plan, out_dir)
         pending = [t for t in plan.tasks if not task_file_ok(out_dir, t)]
@@ -244,12 +245,15 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
         if report is not None:
             notes += report.notes
             n_workers, threads = report.workers, report.threads_per_worker
-        results = out_dir / RESULTS_FILE
+        results = out_dir / "results"
         digest = tasks_digest(plan.tasks)
         complete = counts["failed"] == 0
         n_rows = sum(t.rows for t in plan.tasks) if complete else 0
         if not complete:
-            results.unlink(missing_ok=True)
+            # the dataset of an earlier plan must not pass for this run's results
+            (results / MANIFEST_FILE).unlink(missing_ok=True)
+            (results / "results.parquet").unlink(missing_ok=True)
+            shutil.rmtree(results / PARTS_DIR, ignore_errors=True)
 
         def make_summary(record: dict[str, Any]) -> SweepSummary:
             record = dict(record)
@@ -268,17 +272,27 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
                 created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record)
 
         ids = [p.id for p in spec.policies]
-        if complete and (counts["done"] or not (results.is_file()
+        if complete and (counts["done"] or not ((results / MANIFEST_FILE).is_file()
                                                 and _same_results(out_dir, plan, digest))):
-            # results and summary as one unit, the summary (with the results' sha256) last
-            results.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_files(results.parent, [results.name, Path(SUMMARY_FILE).name]) as st:
-                n_rows = compact(out_dir, plan.tasks, [s.name for s in spec.stores],
-                                 dest=st / results.name)
-                summary = make_summary(results_record(st / results.name, n_rows, ids))
-                write_json(st / Path(SUMMARY_FILE).name, summary.to_dict())
-            return summary
-        summary = make_summary(results_record(results, n_rows, ids) if complete else {})
+            # parts, manifest and summary (with the manifest's sha256) swapped in as one unit
+            made: list[SweepSummary] = []
+
+            def summary_doc(record: dict[str, Any]) -> dict[str, Any]:
+                made.append(make_summary(record))
+                return made[-1].to_dict()
+
+            write_dataset(out_dir, plan.tasks, [s.name for s in spec.stores], ids,
+                          {"spec_hash": plan.spec_hash, "tasks_digest": digest}, summary_doc)
+            return made[-1]
+        if complete:
+            from tracesim.safeio import read_json
+
+            old = read_json(out_dir / SUMMARY_FILE, "sweep summary")
+            record = {k: old.get(k) for k in ("results_file", "results_sha256", "n_rows",
+                                              "config_ids")}
+        else:
+            record = {}
+        summary = make_summary(record)
         write_json(out_dir / SUMMARY_FILE, summary.to_dict())
         return summary
     finally:
@@ -286,7 +300,7 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
 
 
 def _same_results(out_dir: Path, plan: TaskPlan, digest: str) -> bool:
-    """Whether the existing results file was compacted from exactly these task files."""
+    """Whether the existing results dataset was published from exactly these task files."""
     from tracesim.safeio import read_json
 
     try:
@@ -296,4 +310,5 @@ def _same_results(out_dir: Path, plan: TaskPlan, digest: str) -> bool:
     if not isinstance(old, dict):
         return False
     return (old.get("complete") is True and old.get("tasks_digest") == digest
+            and old.get("results_file") == MANIFEST_FILE
             and old.get("n_rows") == sum(t.rows for t in plan.tasks))

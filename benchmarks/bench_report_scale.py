@@ -1,0 +1,153 @@
+"""``tracesim report`` at scale: rows/s and peak memory of the process tree on 10^6, 10^7, ...
+rows built from a real sweep.
+
+The rows are a real sweep's results dataset replicated: copy ``r`` of every part renames each
+sequence ``s`` to ``s~r<r>`` (new clusters, so every result key and every (store, sequence,
+layer, configuration) cell stays unique), keeps the part's task record, and the manifest and
+summary are re-recorded (new sha256s) so the report verifies the scaled dataset as it verifies
+a sweep's. One part is in memory at a time while building.
+
+Each size runs ``tracesim report`` in a child process; its peak memory is the sum over the
+process tree of each process's ``VmHWM`` (read from ``/proc`` every 0.2 s while it runs, the
+last value kept per process), an upper bound of the tree's simultaneous peak.
+
+Usage::
+
+    tracesim sweep data/sweeps/example.yaml --out /tmp/ex          # a real sweep (~550k rows)
+    python benchmarks/bench_report_scale.py /tmp/ex --rows 1e6 1e7 [--work DIR] [--json]
+
+Times taken on a loaded machine are not speed results; memory peaks are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tracesim.digests import sha256_file  # noqa: E402
+
+
+def scale(sweep: Path, out: Path, copies: int) -> int:
+    """Write ``copies`` renamed copies of ``sweep``'s dataset as a sweep output ``out``."""
+    src = sweep / "results"
+    man = json.loads((src / "manifest.json").read_text())
+    (out / "results" / "parts").mkdir(parents=True)
+    shutil.copy(sweep / "configs.json", out / "configs.json")
+    parts, width = [], max(5, len(str(copies * len(man["parts"]))))
+    for r in range(copies):
+        for part in man["parts"]:
+            name = f"parts/part-{len(parts):0{width}d}.parquet"
+            f = pq.ParquetFile(src / part["file"])
+            t = f.read()
+            if r:
+                i = t.schema.get_field_index("sequence_id")
+                t = t.set_column(i, t.schema.field(i),
+                                 pc.binary_join_element_wise(t["sequence_id"],
+                                                             pa.scalar(f"~r{r}"), ""))
+            pq.write_table(t, out / "results" / name, compression="zstd")
+            parts.append(dict(part, file=name, sha256=sha256_file(out / "results" / name),
+                              sequence_id=part["sequence_id"] + (f"~r{r}" if r else "")))
+    rows = man["n_rows"] * copies
+    man.update(parts=parts, n_rows=rows, n_parts=len(parts))
+    (out / "results" / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True))
+    summary = json.loads((src / "summary.json").read_text())
+    summary.update(n_rows=rows, results_sha256=sha256_file(out / "results" / "manifest.json"))
+    (out / "results" / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    return rows
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (from /proc/*/stat)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def _hwm_kb(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def run_report(results: Path, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "tracesim.app.cli", "report", str(results), "--out", str(out)]
+    t0 = time.perf_counter()
+    log = out.with_name(out.name + ".stderr")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=fh)
+    peaks: dict[int, int] = {}
+    while proc.poll() is None:
+        for pid in _tree(proc.pid):
+            kb = _hwm_kb(pid)
+            if kb is not None:
+                peaks[pid] = max(peaks.get(pid, 0), kb)
+        time.sleep(0.2)
+    err = log.read_text()
+    return {"rc": proc.returncode, "seconds": round(time.perf_counter() - t0, 2),
+            "peak_mb": round(sum(peaks.values()) / 1024, 1), "processes": len(peaks),
+            "stderr_tail": err.strip().splitlines()[-1:] if proc.returncode else []}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sweep", type=Path, help="a tracesim sweep output (results dataset)")
+    ap.add_argument("--rows", type=float, nargs="+", default=[1e6, 1e7])
+    ap.add_argument("--work", type=Path, default=None, help="scratch directory")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    base = json.loads((args.sweep / "results" / "manifest.json").read_text())["n_rows"]
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-report-"))
+    rows_out = []
+    for target in args.rows:
+        copies = max(1, math.ceil(target / base))
+        d = work / f"scaled-{copies}"
+        if d.exists():
+            shutil.rmtree(d)
+        t0 = time.perf_counter()
+        rows = scale(args.sweep, d, copies)
+        build = time.perf_counter() - t0
+        res = run_report(d, work / f"report-{copies}")
+        res.update(rows=rows, build_s=round(build, 1),
+                   rows_per_s=round(rows / res["seconds"]) if res["rc"] == 0 else None)
+        rows_out.append(res)
+        print(f"{rows:>12,} rows  rc={res['rc']}  {res['seconds']:8.1f} s  "
+              f"{res['rows_per_s'] or 0:>10,} rows/s  peak {res['peak_mb']:8.1f} MB "
+              f"({res['processes']} process(es)) {res['stderr_tail']}", flush=True)
+        shutil.rmtree(d, ignore_errors=True)
+    if args.json:
+        print(json.dumps(rows_out, indent=1))
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
