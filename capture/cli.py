@@ -145,11 +145,18 @@ def _tokenizer_and_context(model: str) -> tuple[object, int | None]:
     else:
         raise ValueError(f"--model {model[:200]!r}: is neither 'smollm2' nor a local checkpoint "
                          "directory, expected one of the two")
+    from tracesim.capture.variants import UnsupportedModel, check_supported
+
     try:
         config = AutoConfig.from_pretrained(**where, local_files_only=True,
                                             trust_remote_code=False)
+        # an architecture or attention variant capture cannot trace is named before anything
+        # else is read
+        check_supported(config)
         tokenizer = AutoTokenizer.from_pretrained(**where, local_files_only=True,
                                                   trust_remote_code=False)
+    except UnsupportedModel:
+        raise
     except (OSError, ValueError, KeyError) as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ValueError(f"--model {model[:200]}: cannot read its tokenizer and config "

@@ -129,8 +129,10 @@ def test_cli_refuses_an_unsupported_checkpoint_before_loading(tmp_path, capsys):
     code = main(["capture", "--model", str(ckpt), "--n", "1", "--length", "64",
                  "--out", str(tmp_path / "out"), "--quiet"])
     assert code == 2
-    out = capsys.readouterr().out
-    assert "model_type 'falcon' is not supported" in out and "Traceback" not in out
+    printed = capsys.readouterr()
+    assert printed.out == ""  # refusals go to stderr
+    assert "model_type 'falcon' is not supported" in printed.err
+    assert "Traceback" not in printed.err
     assert not (tmp_path / "out").exists()
 
 
