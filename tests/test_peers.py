@@ -285,7 +285,7 @@ def test_peers_cli_writes_results_and_refuses_bad_input(tmp_path, capsys):
     assert set(df.peer) == {"quest", "vattention"} and set(df.layer) == {1}
     for bad, field in ((["--out", str(out)], "exists"), (["--out", ""], "--out"),
                        (["--out", str(store / "x")], "trace store"),
-                       (["--params", "[1]", "--out", str(tmp_path / "o2")], "--params"),
+                       (["--params", "[1]", "--out", str(tmp_path / "o2")], "--peer-params"),
                        (["--layers", "7", "--out", str(tmp_path / "o3")], "--layers"),
                        (["--seeds", "0", "--out", str(tmp_path / "o4")], "--seeds")):
         capsys.readouterr()

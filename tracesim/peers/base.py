@@ -50,8 +50,8 @@ def hub_size(value: object, where: str, lo: int) -> float | int:
                              "an integer")
         return value
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= 1 << 31:
-        raise ValueError(f"{where} = {value!r}: expected a number: a fraction of the cache (a float in "
-                         f"(0, 1]) or a token count (an integer >= {lo})")
+        raise ValueError(f"{where} = {value!r}: expected a number: a fraction of the cache "
+                         f"(a float in (0, 1]) or a token count (an integer >= {lo})")
     return value
 
 

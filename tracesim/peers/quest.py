@@ -8,9 +8,10 @@ the top ``min(max(3, tokens // page), n_pages)`` pages by ``U_p``; plain softmax
 tokens; no page forced, no reweighting; deterministic. The token budget is read as
 ``xAlg-ai/sparse-attention-hub``'s ``QuestTopKMasker`` reads its ``heavy_size``: a float is a
 fraction, ``tokens = int(budget N)`` (truncated, not rounded), an integer is a count; when
-``N <= max(1, tokens)`` the step attends every token (the hub's switch to full attention). Quest keeps its first two layers dense (replay them with ``full`` if you want
-that). Ties between equal bounds go to the earlier page (``numpy`` stable sort; torch's
-``topk`` does not specify).
+``N <= max(1, tokens)`` the step attends every token (the hub's switch to full attention).
+Quest keeps its first two layers dense (replay them with ``full`` if you want that). Ties
+between equal bounds go to the earlier page (``numpy`` stable sort; torch's ``topk`` does not
+specify).
 """
 
 from __future__ import annotations

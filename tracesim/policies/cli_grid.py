@@ -17,8 +17,8 @@ from typing import Any
 
 from tracesim.errors import UsageError
 
-__all__ = ["add_design_options", "grid_from_options", "policies_from_options",
-           "proxy_label"]
+__all__ = ["add_design_options", "grid_from_options", "overlay_options",
+           "policies_from_options", "proxy_label"]
 
 #: Grid keys -> the option that sets them (error messages name the option, not the grid key).
 _OPTION_OF = {"score_params": "--score-params", "design_params": "--design-params",
@@ -42,10 +42,12 @@ def add_design_options(p: argparse.ArgumentParser) -> None:
                    help="any score's parameters, as a sweep spec's grid.score_params: "
                    "'{\"perstep\": {\"proxy\": \"quant:4\", \"top_fraction\": 0.5}}'; a list "
                    "is swept, the key \"*\" applies to every listed score that has the "
-                   "parameter (docs/sweeps.md)")
+                   "parameter (docs/sweeps.md; default: each score's own; in evict, laid "
+                   "over the grid file's)")
     p.add_argument("--design-params", default=None, metavar="JSON",
                    help="any design's parameters, as a sweep spec's grid.design_params: "
-                   "'{\"poisson\": {\"mixture\": 0.1}}' (docs/sweeps.md)")
+                   "'{\"poisson\": {\"mixture\": 0.1}}' (docs/sweeps.md; default: each "
+                   "design's own; in evict, laid over the grid file's)")
 
 
 def _json_mapping(text: str | None, option: str) -> dict[str, Any]:
@@ -109,6 +111,48 @@ def grid_from_options(args: argparse.Namespace) -> dict[str, Any]:
     if design_params:
         grid["design_params"] = design_params
     return grid
+
+
+def _names_of(mapping: dict[str, Any], key: str) -> list[str]:
+    value = mapping.get(key, [])
+    return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+
+
+def overlay_options(grid: Any, args: argparse.Namespace) -> Any:
+    """A grid file's ``grid`` (a mapping or a list of them) with ``--proxy``, ``--gqa``,
+    ``--score-params`` and ``--design-params`` laid over it: each named score's (design's)
+    parameters are set in every mapping that lists it, the option winning over the file. A name
+    no mapping lists is refused, naming the option."""
+    score_params = _json_mapping(args.score_params, "--score-params")
+    design_params = _json_mapping(args.design_params, "--design-params")
+    for option, param, value in (("--proxy", "proxy", args.proxy), ("--gqa", "gqa", args.gqa)):
+        if value is not None:
+            _put(score_params, "perstep", param, value, option, "--score-params")
+    if not score_params and not design_params:
+        return grid
+    parts = [dict(g) if isinstance(g, dict) else g for g in
+             (grid if isinstance(grid, list) else [grid])]
+    for option, key, listed, section in (
+            ("--score-params", "score_params", "score", score_params),
+            ("--design-params", "design_params", "design", design_params)):
+        for name, params in section.items():
+            hit = False
+            for part in parts:
+                if not isinstance(part, dict) or (name != "*" and name not in
+                                                  _names_of(part, listed)):
+                    continue
+                own = dict(part.get(key) or {})
+                own[name] = {**dict(own.get(name) or {}), **params}
+                part[key] = own
+                hit = True
+            if not hit:
+                shown = "--proxy/--gqa" if option == "--score-params" and name == "perstep" \
+                    and (args.proxy or args.gqa) else option
+                known = sorted({n for p in parts if isinstance(p, dict)
+                                for n in _names_of(p, listed)})
+                raise UsageError(f"{shown}: {name!r} is not a {listed} of the grid, which "
+                                 f"lists {known}")
+    return parts if isinstance(grid, list) else parts[0]
 
 
 def _option_message(message: str) -> str:
