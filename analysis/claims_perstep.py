@@ -79,9 +79,12 @@ def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
 
 
 def _vattention_label(want: dict) -> str:
-    """The ``config_id`` ``tracesim peers`` gives the vAttention configuration ``want``."""
-    return ("vattention(" + ",".join(f"{k}={want[k]:g}" for k in (
-        "sinks", "local", "heavy", "base_rate", "epsilon", "delta")) + ")")
+    """The ``config_id`` ``tracesim peers`` gives the vAttention configuration ``want`` (the
+    peer's own label: ``heavy: 1.0`` and ``heavy: 1`` are different configurations)."""
+    from tracesim.peers import make_peer
+
+    return make_peer("vattention", **{k: want[k] for k in (
+        "sinks", "local", "heavy", "base_rate", "epsilon", "delta")}).label()
 
 
 def evaluate_c10(peers: pd.DataFrame, claim: dict, alpha: float) -> dict:

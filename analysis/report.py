@@ -111,12 +111,20 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                                             notes=load_notes)
     peers = load_peers(peers_dirs) if peers_dirs else pd.DataFrame()
     matches = True
+    unrecorded = []
     for name, summary in (("results", summary_r), ("outcomes", summary_o)):
         if summary is not None or (name == "results" and results is not None):
-            matches &= check_prereg_hash(prereg, _recorded_hash(summary),
-                                         allow_change=allow_prereg_change)
+            recorded = _recorded_hash(summary)
+            if recorded is None:  # nothing recorded is not a change: say what it is
+                unrecorded.append(name)
+                continue
+            matches &= check_prereg_hash(prereg, recorded, allow_change=allow_prereg_change)
     report = Report(claims=[], prereg=prereg, prereg_matches=matches)
     report.notes += [f"WARNING: {n}" for n in load_notes]
+    report.notes += [f"WARNING: the {name}' summary records no pre-registration (the command "
+                     f"found no {PREREG_NAME} near its inputs or the working directory); the "
+                     f"claims are evaluated against {prereg.path.name} as given, unverified"
+                     for name in unrecorded]
     report.provenance = collect_provenance(
         results, summary_r, outcomes, summary_o, prereg_sha256=prereg.sha256,
         prereg_name=prereg.path.name, prereg_matches=matches, traces_dir=traces_dir)
@@ -166,6 +174,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                              f"(p = {c.adjusted_pvalue:.3g})")
     return report
 
+
+PREREG_NAME = "data/prereg.yaml"
 
 #: Tables printed first, right after the provenance: what the per-step designs measured, with
 #: the prefill designs (in the same table) and the peers beside them.
