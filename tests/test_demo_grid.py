@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tracesim.analysis.claims_perstep import _vattention_label
 from tracesim.analysis.prereg import load_prereg
+
 from tracesim.app.demo import DEMO_PEERS, SCALES, sweep_spec
 from tracesim.peers import make_peer
 from tracesim.policies.grid import expand_grid
