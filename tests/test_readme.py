@@ -91,3 +91,14 @@ def test_readme_runs_top_to_bottom_in_an_empty_directory(tmp_path, monkeypatch, 
                 assert word in printed, word
             ran += 1
     assert ran >= 5
+
+
+def test_replay_doc_python_snippet_runs_on_the_sample_store(tmp_path, monkeypatch, capsys):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "sample-traces").symlink_to(ROOT / "data" / "sample-traces")
+    monkeypatch.chdir(tmp_path)
+    snippets = [body for lang, body, _ in blocks(ROOT / "docs" / "replay.md") if lang == "python"]
+    assert snippets
+    for body in snippets:
+        exec(compile(body, "docs/replay.md", "exec"), {"__name__": "replay_doc"})  # noqa: S102
+    assert "snapkv" in capsys.readouterr().out
