@@ -102,3 +102,17 @@ def test_replay_doc_python_snippet_runs_on_the_sample_store(tmp_path, monkeypatc
     for body in snippets:
         exec(compile(body, "docs/replay.md", "exec"), {"__name__": "replay_doc"})  # noqa: S102
     assert "snapkv" in capsys.readouterr().out
+
+
+def test_sweeps_doc_figures_are_the_dry_runs():
+    # docs/sweeps.md's sample-store figures come from `tracesim sweep data/sweeps/example.yaml
+    # --dry-run` (the command the doc shows); the doc fails here when they drift
+    from tracesim.sweep.dryrun import describe
+    from tracesim.sweep.spec import load_spec
+
+    text = describe(load_spec(ROOT / "data" / "sweeps" / "example.yaml"), calibrate_time=False)
+    n_configs = re.search(r"grid: (\d+) configuration", text).group(1)
+    rows = re.search(r"(\d+) result rows", text).group(1)
+    doc = (ROOT / "docs" / "sweeps.md").read_text()
+    assert f"grid: {n_configs} configuration(s)" in doc, n_configs
+    assert f"{rows} result rows" in doc and f"True, {rows}," in doc, rows
