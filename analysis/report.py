@@ -186,9 +186,11 @@ LEAD_TABLES = (PERSTEP_TABLE, PEERS_TABLE)
 def peers_table(peers: pd.DataFrame) -> str:
     """One row per peer configuration: kept tokens, error, tracesim's Wald coverage on its
     samples and the rate at which its own bound held (``tracesim peers`` rows)."""
+    wanted = {"kept": "kept_tokens", "mse": "err2", "wald": "wald_cov",
+              "own_bound_held": "peer_bound_ok"}
     agg = peers.groupby("config_id", sort=False).agg(
-        rows=("err2", "size"), kept=("kept_tokens", "mean"), mse=("err2", "mean"),
-        wald=("wald_cov", "mean"), own_bound_held=("peer_bound_ok", "mean"))
+        rows=("config_id", "size"),
+        **{name: (col, "mean") for name, col in wanted.items() if col in peers})
     return agg.to_string(float_format=lambda x: f"{x:.4g}")
 
 
