@@ -134,3 +134,9 @@ def test_the_report_plots_per_step_designs_against_memory_and_bytes(tmp_path):
     assert "step_read_kib" in table and "hbm_kib" in table
     write_report(report, tmp_path / "r")
     assert (tmp_path / "r" / "perstep_frontier.png").is_file()
+    # the report's first section after the provenance is the per-step result
+    md = (tmp_path / "r" / "report.md").read_text()
+    sections = [line for line in md.splitlines() if line.startswith("## ")]
+    assert sections[0] == "## per-step designs" and sections[1] == "## Claims"
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert page.index("<h2>per-step designs</h2>") < page.index("<h2>Claims</h2>")
