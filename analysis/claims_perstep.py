@@ -27,7 +27,8 @@ def _matches(meta: pd.Series, want: dict) -> bool:
     if "schedule" in want:
         want = {**want, "schedule": parse_schedule(want["schedule"], "compare").label()}
     checks = {"score": meta["score"], "design": meta["design"], "budget": meta["budget"],
-              "schedule": meta["config_id"].split("|")[4],
+              # the full cache's id is "full": no schedule part
+              "schedule": (meta["config_id"].split("|") + [None] * 5)[4],
               "correction": meta["correction"], "mixture": meta["mixture"],
               "top_fraction": meta["top_fraction"], **params}
     return all(k in checks and checks[k] == v for k, v in want.items())
