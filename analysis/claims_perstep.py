@@ -27,7 +27,8 @@ def _matches(meta: pd.Series, want: dict) -> bool:
     if "schedule" in want:
         want = {**want, "schedule": parse_schedule(want["schedule"], "compare").label()}
     checks = {"score": meta["score"], "design": meta["design"], "budget": meta["budget"],
-              "schedule": meta["config_id"].split("|")[4],
+              # the full cache's id is "full": no schedule part
+              "schedule": (meta["config_id"].split("|") + [None] * 5)[4],
               "correction": meta["correction"], "mixture": meta["mixture"],
               "top_fraction": meta["top_fraction"], **params}
     return all(k in checks and checks[k] == v for k, v in want.items())
@@ -79,9 +80,12 @@ def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
 
 
 def _vattention_label(want: dict) -> str:
-    """The ``config_id`` ``tracesim peers`` gives the vAttention configuration ``want``."""
-    return ("vattention(" + ",".join(f"{k}={want[k]:g}" for k in (
-        "sinks", "local", "heavy", "base_rate", "epsilon", "delta")) + ")")
+    """The ``config_id`` ``tracesim peers`` gives the vAttention configuration ``want`` (the
+    peer's own label: ``heavy: 1.0`` and ``heavy: 1`` are different configurations)."""
+    from tracesim.peers import make_peer
+
+    return make_peer("vattention", **{k: want[k] for k in (
+        "sinks", "local", "heavy", "base_rate", "epsilon", "delta")}).label()
 
 
 def evaluate_c10(peers: pd.DataFrame, claim: dict, alpha: float) -> dict:

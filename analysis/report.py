@@ -123,12 +123,20 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                                             notes=load_notes)
     peers = load_peers(peers_dirs) if peers_dirs else pd.DataFrame()
     matches = True
+    unrecorded = []
     for name, summary in (("results", summary_r), ("outcomes", summary_o)):
         if summary is not None or (name == "results" and results is not None):
-            matches &= check_prereg_hash(prereg, _recorded_hash(summary),
-                                         allow_change=allow_prereg_change)
+            recorded = _recorded_hash(summary)
+            if recorded is None:  # nothing recorded is not a change: say what it is
+                unrecorded.append(name)
+                continue
+            matches &= check_prereg_hash(prereg, recorded, allow_change=allow_prereg_change)
     report = Report(claims=[], prereg=prereg, prereg_matches=matches)
     report.notes += [f"WARNING: {n}" for n in load_notes]
+    report.notes += [f"WARNING: the {name}' summary records no pre-registration (the command "
+                     f"found no {PREREG_NAME} near its inputs or the working directory); the "
+                     f"claims are evaluated against {prereg.path.name} as given, unverified"
+                     for name in unrecorded]
     report.provenance = collect_provenance(
         results, summary_r, outcomes, summary_o, prereg_sha256=prereg.sha256,
         prereg_name=prereg.path.name, prereg_matches=matches, traces_dir=traces_dir)
@@ -161,6 +169,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     res_df = inputs.results
     if not res_df.empty and "score" in res_df and (res_df["score"] == "perstep").any():
         add_perstep_frontier(report, res_df, report.provenance.head_dim or 64)
+    if not peers.empty:
+        report.tables[PEERS_TABLE] = peers_table(peers)
     if not fetch_df.empty:
         _add_fetch(report, fetch_df, out_df)
     if tiers_dir is not None:
@@ -176,6 +186,25 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                 c.detail += (f"; significant alone (p = {c.pvalue:.3g}) but not after Holm "
                              f"(p = {c.adjusted_pvalue:.3g})")
     return report
+
+
+PREREG_NAME = "data/prereg.yaml"
+
+#: Tables printed first, right after the provenance: what the per-step designs measured, with
+#: the prefill designs (in the same table) and the peers beside them.
+PERSTEP_TABLE, PEERS_TABLE = "per-step designs", "peers on the same steps"
+LEAD_TABLES = (PERSTEP_TABLE, PEERS_TABLE)
+
+
+def peers_table(peers: pd.DataFrame) -> str:
+    """One row per peer configuration: kept tokens, error, tracesim's Wald coverage on its
+    samples and the rate at which its own bound held (``tracesim peers`` rows)."""
+    wanted = {"kept": "kept_tokens", "mse": "err2", "wald": "wald_cov",
+              "own_bound_held": "peer_bound_ok"}
+    agg = peers.groupby("config_id", sort=False).agg(
+        rows=("config_id", "size"),
+        **{name: (col, "mean") for name, col in wanted.items() if col in peers})
+    return agg.to_string(float_format=lambda x: f"{x:.4g}")
 
 
 def _evaluate(inputs: ClaimInputs) -> dict[str, ClaimResult]:
@@ -357,13 +386,17 @@ def _write_report(report: Report, out: Path, write) -> Path:
     md += [f"Pre-registration: `{report.prereg.path.name}` ({report.prereg.sha256[:19]}…), "
            f"Holm across claims at α = {report.prereg.alpha}.", ""]
     md += [f"> {n}" for n in report.notes]
+    lead = {t: report.tables[t] for t in LEAD_TABLES if t in report.tables}
+    rest = {t: v for t, v in report.tables.items() if t not in lead}
+    for title, text in lead.items():
+        md += [f"## {title}", "", "```", text, "```", ""]
     md += ["## Claims", "", "| " + " | ".join(rows[0]) + " |",
            "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     md += [""]
     for c in report.claims:
         md += [f"### {c.claim}: {c.verdict}", "", f"*{c.hypothesis}*", "", c.detail, ""]
-    for title, text in report.tables.items():
+    for title, text in rest.items():
         md += [f"## {title}", "", "```", text, "```", ""]
     for title, text in report.sections.items():
         md += [f"## {title}", "", text.replace("\n# ", "\n### ").replace("\n## ", "\n### "),
@@ -385,6 +418,7 @@ def _write_report(report: Report, out: Path, write) -> Path:
     body.append(f"<p>Pre-registration <code>{name}</code> "
                 f"({report.prereg.sha256[:19]}…), Holm at α = {report.prereg.alpha}.</p>")
     body += [f"<p class='warn'>{esc(n)}</p>" for n in report.notes]
+    body += [f"<h2>{esc(title)}</h2><pre>{esc(text)}</pre>" for title, text in lead.items()]
     body.append("<h2>Claims</h2><table class='claims'><tr>" + "".join(
         f"<th>{esc(h)}</th>" for h in rows[0]) + "</tr>")
     for r in rows[1:]:
@@ -397,7 +431,7 @@ def _write_report(report: Report, out: Path, write) -> Path:
     for c in report.claims:
         body.append(f"<h3>{c.claim}: {esc(c.verdict)}</h3><p><em>"
                     f"{esc(c.hypothesis)}</em></p><p>{esc(c.detail)}</p>")
-    for title, text in {**report.tables, **report.sections}.items():
+    for title, text in {**rest, **report.sections}.items():
         body.append(f"<h2>{esc(title)}</h2><pre>{esc(text)}</pre>")
     if report.figures:
         body.append("<h2>Figures</h2>")

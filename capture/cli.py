@@ -63,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="fixed needle depth in [0, 1] (default: drawn per instance)")
     p.add_argument("--no-o-proj", action="store_true",
                    help="do not store the o_proj weights (saves n_layers*hidden*hidden*4 bytes)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars (neither the capture's nor the weights' loading)")
     p.set_defaults(func=run)
 
 
@@ -254,6 +255,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, tasks: list[str], device: str, compute: str | None):
     from tracesim.capture.runner import CaptureConfig, run_capture
 
+    if args.quiet:  # transformers draws its own bar while it loads the weights
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     return run_capture(
         args.model,
         tasks,

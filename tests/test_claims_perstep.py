@@ -114,7 +114,7 @@ def test_report_cli_takes_several_peers_outputs():
 def test_the_report_plots_per_step_designs_against_memory_and_bytes(tmp_path):
     from tests.replay_fixtures import build_store
     from tracesim.integrity import sign_results
-    from tracesim.policies import make_policy
+    from tracesim.policies import make_policy, policy_grid
     from tracesim.replay import replay
     from tracesim.store import open_store
 
@@ -123,6 +123,7 @@ def test_the_report_plots_per_step_designs_against_memory_and_bytes(tmp_path):
                         score_params={"proxy": "quant:4", "window": 8})
             for d in ("topk", "poisson")]
     pols.append(make_policy("snapkv", "poisson", 0.4, score_params={"window": 8}))
+    pols += policy_grid(["full"], ["topk"], [1.0])  # the demo's sweep holds the full cache too
     res = tmp_path / "results"
     res.mkdir()
     pq.write_table(replay(store, pols, seeds=3, progress=False), res / "results.parquet")
@@ -134,3 +135,9 @@ def test_the_report_plots_per_step_designs_against_memory_and_bytes(tmp_path):
     assert "step_read_kib" in table and "hbm_kib" in table
     write_report(report, tmp_path / "r")
     assert (tmp_path / "r" / "perstep_frontier.png").is_file()
+    # the report's first section after the provenance is the per-step result
+    md = (tmp_path / "r" / "report.md").read_text()
+    sections = [line for line in md.splitlines() if line.startswith("## ")]
+    assert sections[0] == "## per-step designs" and sections[1] == "## Claims"
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert page.index("<h2>per-step designs</h2>") < page.index("<h2>Claims</h2>")

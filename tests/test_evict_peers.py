@@ -79,7 +79,10 @@ def test_run_evict_with_peers_writes_rows_and_full_quest_is_the_full_cache(tiny_
 @pytest.mark.parametrize(("args", "field"), [
     (["--peer", "quest", "--peer-params", '{"quest": {"page": 0}}'], "page"),
     (["--peer", "nope"], "nope"),
-    (["--peer-params", '{"quest": {}}'], "--peer-params")])
+    (["--peer-params", '{"quest": {}}'], "--peer-params"),
+    # the per-step options are laid over the grid file: a grid without perstep refuses them
+    (["--proxy", "quant:4"], "--proxy"),
+    (["--score-params", '{"snapkv": {"window": 4}}'], "--score-params")])
 def test_bad_peer_options_exit_2_naming_the_field(tiny_store, tmp_path, capsys, args, field):
     from tracesim.app.cli import main
 

@@ -133,10 +133,104 @@ def test_quest_selects_top_pages_by_the_bound_like_a_loop(trace):
             kb = x.keys[a:a + page]
             bounds.append(sum(max(x.query[c] * kb[:, c].min(), x.query[c] * kb[:, c].max())
                               for c in range(kb.shape[1])))
-        tokens = min(n, round(budget * n) if budget <= 1 else int(budget))
+        # the hub's QuestTopKMasker: a float is int(b N) tokens, an int a count
+        tokens = int(budget * n) if isinstance(budget, float) else budget
         k = min(max(3, tokens // page), len(bounds))
         order = sorted(range(len(bounds)), key=lambda p: (-bounds[p], p))[:k]
         assert peer.selected_pages(x).tolist() == sorted(order)
+
+
+def _step_of(n, d=8, seed=0):
+    """A decode step over ``n`` random keys (the current token included)."""
+    from tracesim.peers import StepInput
+
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.normal(size=d), rng.normal(size=(n, d)), rng.normal(size=(n, d))
+    logits = k @ q / np.sqrt(d)
+    w = np.exp(logits - logits.max())
+    return StepInput(layer=0, head=0, kv_head=0, step=n - 1, prompt_length=n - 1, query=q,
+                     keys=k, values=v, scale=1 / np.sqrt(d), logits=logits,
+                     truth=w @ v / w.sum())
+
+
+def _quest_loop(x, page, budget):
+    """Loop reference of the hub's QuestTopKMasker on one query: kept token mask."""
+    n = len(x.logits)
+    tokens = int(budget * n) if isinstance(budget, float) else int(budget)
+    if n <= max(1, tokens):
+        return [True] * n
+    bounds = []
+    for a in range(0, n, page):
+        kb = x.keys[a:a + page]
+        bounds.append(sum(max(x.query[c] * kb[:, c].min(), x.query[c] * kb[:, c].max())
+                          for c in range(kb.shape[1])))
+    k = max(1, min(len(bounds), max(3, tokens // page)))
+    chosen = sorted(range(len(bounds)), key=lambda p: (-bounds[p], p))[:k]
+    return [j // page in chosen for j in range(n)]
+
+
+@pytest.mark.parametrize("n, page, budget", [
+    (127, 16, 0.5), (127, 1, 0.5), (127, 4, 0.3), (127, 16, 1.0), (127, 16, 127),
+    (127, 16, 126), (127, 16, 500), (40, 8, 1), (2, 16, 0.5), (1, 16, 0.25)])
+def test_quest_budget_is_the_hubs_to_the_token(n, page, budget):
+    x = _step_of(n, seed=n + page)
+    row, _, kept = Quest(page=page, budget=budget).attend(x, None, 0, 1.96)
+    assert kept.tolist() == _quest_loop(x, page, budget)
+    if n <= max(1, int(budget * n) if isinstance(budget, float) else budget):
+        assert row["kept_tokens"] == n and row["err2"] < 1e-24  # the hub's full attention
+
+
+def test_quest_truncates_a_fractional_budget():
+    # 0.5 of 127 keys is 63 tokens in the hub (int), not 64 (round): with page 1 that is 63
+    # pages, and the earlier round() kept 64
+    x = _step_of(127, seed=3)
+    assert Quest(page=1, budget=0.5).selected_pages(x).size == 63
+    assert Quest(page=1, budget=0.5).label() == "quest(page=1,budget=0.5)"
+    assert Quest(page=1, budget=1.0).label() == "quest(page=1,budget=1.0)"
+    assert Quest(page=1, budget=64).label() == "quest(page=1,budget=64)"
+
+
+def _vattention_det_loop(x, sinks, local, heavy):
+    n = len(x.logits)
+    det = [j < sinks or j >= n - local for j in range(n)]
+    k = int(heavy * n) if isinstance(heavy, float) else int(heavy)
+    rest = sorted((j for j in range(n) if not det[j]), key=lambda j: (-x.logits[j], j))
+    for j in rest[:k]:
+        det[j] = True
+    return det
+
+
+@pytest.mark.parametrize("heavy", [0.1, 0.5, 0.99, 3, 0, 0.0])
+def test_vattention_heavy_is_the_hubs_size(heavy):
+    x = _step_of(127, seed=11)
+    peer = VAttention(sinks=4, local=8, heavy=heavy)
+    assert peer.deterministic(x).tolist() == _vattention_det_loop(x, 4, 8, heavy)
+
+
+@pytest.mark.parametrize("params", [{"heavy": 1.0}, {"heavy": 127}, {"heavy": 500},
+                                    {"sinks": 127, "heavy": 0}, {"local": 126, "heavy": 0}])
+def test_vattention_full_attention_switches_are_the_hubs(params):
+    # heavy = 1.0 is int(1.0 N) = N tokens: the hub's top-k masker attends every token;
+    # N <= sinks and N <= local + 1 (one query) switch its sink and local maskers to full
+    x = _step_of(127, seed=5)
+    row, _, kept = VAttention(**{"sinks": 4, "local": 8, **params}).attend(x, None, 0, 1.96)
+    assert kept.all() and row["kept_tokens"] == 127 and row["err2"] < 1e-24
+    if "heavy" in params and params["heavy"] in (1.0, 127, 500):
+        assert row["sampled"] == 0 and row["budget_b"] == 0
+    # one token short of each switch samples
+    short = {"heavy": 126} if params.get("heavy") in (1.0, 127, 500) else (
+        {"sinks": 125, "local": 0, "heavy": 0} if "sinks" in params
+        else {"sinks": 0, "local": 124, "heavy": 0})
+    row2, _, _ = VAttention(**{"sinks": 4, "local": 8, **short}).attend(x, None, 0, 1.96)
+    assert row2["budget_b"] > 0
+
+
+@pytest.mark.parametrize("name, params", [
+    ("quest", {"budget": 2.0}), ("quest", {"budget": 0.0}), ("quest", {"budget": 0}),
+    ("vattention", {"heavy": 1.5}), ("vattention", {"heavy": -1})])
+def test_hub_sizes_out_of_range_are_refused(name, params):
+    with pytest.raises(ValueError, match="budget|heavy"):
+        make_peer(name, **params)
 
 
 def test_peers_are_exact_when_they_keep_everything(trace):
@@ -191,7 +285,7 @@ def test_peers_cli_writes_results_and_refuses_bad_input(tmp_path, capsys):
     assert set(df.peer) == {"quest", "vattention"} and set(df.layer) == {1}
     for bad, field in ((["--out", str(out)], "exists"), (["--out", ""], "--out"),
                        (["--out", str(store / "x")], "trace store"),
-                       (["--params", "[1]", "--out", str(tmp_path / "o2")], "--params"),
+                       (["--params", "[1]", "--out", str(tmp_path / "o2")], "--peer-params"),
                        (["--layers", "7", "--out", str(tmp_path / "o3")], "--layers"),
                        (["--seeds", "0", "--out", str(tmp_path / "o4")], "--seeds")):
         capsys.readouterr()

@@ -121,6 +121,22 @@ def test_report_refuses_a_changed_preregistration(inputs, tmp_path):
     assert not report.prereg_matches and "WARNING" in report.notes[0]
 
 
+def test_report_says_when_nothing_was_recorded(inputs, tmp_path):
+    # a summary without a pre-registration entry is not a changed pre-registration: the
+    # report is built, and says the claims were evaluated against the file as given
+    import shutil
+
+    _, _, results, outcomes = inputs
+    copy = tmp_path / "results"
+    shutil.copytree(results, copy)
+    summary = json.loads((copy / "summary.json").read_text())
+    del summary["prereg"]
+    (copy / "summary.json").write_text(json.dumps(summary))
+    report = build_report(copy, outcomes, prereg_path=PREREG)
+    assert report.prereg_matches
+    assert any("records no pre-registration" in n for n in report.notes)
+
+
 def test_report_cli(inputs, tmp_path):
     from tracesim.app.cli import main
 

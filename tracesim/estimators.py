@@ -89,16 +89,25 @@ class AttentionEstimate:
         return np.where(np.asarray(self.tail_population) == 0, 0.0, inflated)
 
     def summary(self) -> str:
-        """A short human-readable description."""
+        """A short human-readable description: the estimate (first query, first coordinates),
+        the certificate, the tail size, Kish n_eff, and which variance was computed (the
+        design's linearization, Poisson or fixed-size, and the output asked for with
+        ``variance=``: trace, diagonal or full matrix)."""
         cert = np.atleast_1d(self.certificate)
         m = np.atleast_1d(self.tail_size)
+        n_eff = np.atleast_1d(self.n_eff)
+        est = np.atleast_2d(self.estimate)[0]
+        shown = ", ".join(f"{v:.4g}" for v in est[:4]) + (", ..." if est.size > 4 else "")
         kind = "Hájek" if self.correction else "uncorrected"
+        output = ("full matrix" if self.variance is not None else "diagonal"
+                  if self.variance_diag is not None else "trace")
         return "\n".join([
-            f"AttentionEstimate ({kind}, {self.design_variance} variance)",
+            f"AttentionEstimate ({kind}; {self.design_variance}-design variance, {output})",
             f"  queries:          {cert.size}",
-            f"  value dim:        {np.shape(self.estimate)[-1]}",
-            f"  tail size m:      min {m.min()}, median {np.median(m):g}, max {m.max()}",
+            f"  estimate:         [{shown}] (query 0, {est.size} values)",
             f"  certificate C:    median {np.median(cert):.4g}, max {np.max(cert):.4g}",
+            f"  tail size m:      min {m.min()}, median {np.median(m):g}, max {m.max()}",
+            f"  Kish n_eff:       min {np.min(n_eff):.4g}, median {np.median(n_eff):.4g}",
         ])
 
 

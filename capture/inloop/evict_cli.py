@@ -41,7 +41,9 @@ def _command(args: argparse.Namespace) -> int:
                          "a YAML file") from None
     if not isinstance(doc, dict):
         raise UsageError(f"{args.grid}: expected a mapping with 'grid' (and 'seeds')")
-    grid = doc.get("grid", doc)
+    from tracesim.policies.cli_grid import overlay_options
+
+    grid = overlay_options(doc.get("grid", doc), args)
     policies = parse_grid(grid, where=f"{args.grid}: grid")
     seeds = args.seeds if args.seeds is not None else doc.get("seeds", 4)
     SEEDS.check(seeds, f"{args.grid}: seeds" if args.seeds is None else "--seeds")
@@ -172,5 +174,9 @@ def register(subparsers: Any) -> None:
                    "own estimator at every decode step: magicpig, vattention, quest "
                    "(default: none; docs/evict.md, docs/peers.md)")
     p.add_argument("--peer-params", default="{}", metavar="JSON",
-                   help="peer parameters, e.g. '{\"quest\": {\"budget\": 0.25}}' (with --peer)")
+                   help="peer parameters, e.g. '{\"quest\": {\"budget\": 0.25}}' (with --peer; "
+                   "the grammar of 'tracesim peers --peer-params')")
+    from tracesim.policies.cli_grid import add_design_options
+
+    add_design_options(p)
     p.set_defaults(func=_command)

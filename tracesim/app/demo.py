@@ -35,17 +35,39 @@ class DemoScale:
     evict_seeds: int
     scores: tuple[str, ...]
     budgets: tuple[float, ...]
+    layer_step: int = 1  # replay and peers read every layer_step-th layer
+    peer_seeds: int = 2
 
 
 SCALES: dict[str, DemoScale] = {
-    "small": DemoScale(tasks=("passkey", "multikey", "vartrack"), n=3, length=512,
+    # 1k tokens: per-step designs are measured where C9 was pre-registered (at 512 they cover
+    # ~0.92, docs/adaptive.md); every third layer, as C9 and C10 were registered
+    "small": DemoScale(tasks=("passkey", "multikey", "vartrack"), n=2, length=1024,
                        replay_seeds=16, evict_seeds=2, scores=("snapkv", "h2o", "streaming"),
-                       budgets=(0.1, 0.25, 0.5)),
+                       budgets=(0.1, 0.25, 0.5), layer_step=3, peer_seeds=2),
     "full": DemoScale(tasks=("passkey", "multikey", "vartrack", "kvret"), n=16, length=1024,
                       replay_seeds=64, evict_seeds=8,
                       scores=("snapkv", "h2o", "tova", "knorm", "streaming"),
-                      budgets=(0.1, 0.25, 0.5)),
+                      budgets=(0.1, 0.25, 0.5), layer_step=1, peer_seeds=8),
 }
+
+#: The per-step designs of claim C9 (data/prereg.yaml): a 4-bit key proxy, Poisson and top-k.
+PERSTEP_GRID: dict[str, Any] = {
+    "score": ["perstep"], "design": ["topk", "poisson"], "budget": [0.25],
+    "schedule": ["step"],
+    "score_params": {"perstep": {"proxy": "quant:4", "gqa": "mean", "top_fraction": 0.5}},
+    "design_params": {"poisson": {"mixture": 0.1}}}
+
+#: The peers of the demo: vAttention at the two configurations of claim C10, Quest at 25 %
+#: and MagicPIG as published (docs/peers.md).
+DEMO_PEERS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("vattention", {"sinks": 128, "local": 128, "heavy": 0.1, "base_rate": 0.1,
+                    "epsilon": 0.25, "delta": 0.25}),
+    ("vattention", {"sinks": 4, "local": 32, "heavy": 0.05, "base_rate": 0.05,
+                    "epsilon": 0.25, "delta": 0.25}),
+    ("quest", {"budget": 0.25}),
+    ("magicpig", {}),
+)
 
 
 def _stage(name: str) -> float:
@@ -53,8 +75,10 @@ def _stage(name: str) -> float:
     return time.perf_counter()
 
 
-def sweep_spec(scale: DemoScale, traces: Path, out: Path, prereg: Path | None) -> dict[str, Any]:
-    """The replay sweep of the demo (written to ``OUT/sweep.yaml``)."""
+def sweep_spec(scale: DemoScale, traces: Path, out: Path, prereg: Path | None,
+               n_layers: int = 30) -> dict[str, Any]:
+    """The replay sweep of the demo (written to ``OUT/sweep.yaml``): the prefill designs, the
+    per-step designs of C9 and the full cache, on every ``layer_step``-th of ``n_layers``."""
     spec: dict[str, Any] = {
         "version": 1, "name": "demo", "store": str(traces.resolve()),
         "grid": [
@@ -62,10 +86,13 @@ def sweep_spec(scale: DemoScale, traces: Path, out: Path, prereg: Path | None) -
              "budget": list(scale.budgets), "design_params": {"poisson": {"mixture": 0.1}}},
             {"score": ["snapkv"], "design": ["poisson"], "budget": list(scale.budgets),
              "allocator": ["adakv"], "design_params": {"poisson": {"mixture": 0.1}}},
+            PERSTEP_GRID,
             {"score": ["full"]},
         ],
         "seeds": scale.replay_seeds, "record": "aggregated", "output": str(out.resolve()),
     }
+    if scale.layer_step > 1:
+        spec["layers"] = {"start": 0, "stop": n_layers, "step": scale.layer_step}
     if prereg is not None:
         spec["prereg"] = str(prereg.resolve())
     return spec
@@ -113,7 +140,7 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
                                              out / "report")
     t_all = time.perf_counter()
 
-    t0 = _stage(f"1/5 capture: {model}, tasks {', '.join(sc.tasks)}, {sc.n} each, "
+    t0 = _stage(f"1/6 capture: {model}, tasks {', '.join(sc.tasks)}, {sc.n} each, "
                 f"{sc.length} tokens")
     summary = run_capture(model, sc.tasks, n=sc.n, length=sc.length, out=traces)
     store = open_store(traces)
@@ -125,14 +152,18 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
     print(f"({len(summary.written)} captured, {len(summary.skipped)} already there; "
           f"{time.perf_counter() - t0:.0f} s)")
 
-    t0 = _stage("2/5 replay sweep")
-    spec = sweep_spec(sc, traces, results, prereg)
+    t0 = _stage("2/6 replay sweep: prefill designs, per-step designs (quant:4 proxy)")
+    spec = sweep_spec(sc, traces, results, prereg, store.model.n_layers)
     atomic_write_text(out / "sweep.yaml", yaml.safe_dump(spec, sort_keys=False))
     sweep = run_sweep(out / "sweep.yaml", workers=workers)
     print(f"{sweep.n_rows} result rows, {sweep.n_configs} configurations "
           f"({time.perf_counter() - t0:.0f} s)")
 
-    t0 = _stage("3/5 C0 adversary demo")
+    t0 = _stage("3/6 peers on the same decode steps (vAttention, Quest, MagicPIG)")
+    peers_dir = run_demo_peers(store, sc, out / "peers")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+
+    t0 = _stage("4/6 C0 adversary demo")
     sid = store.sequence_ids[0]
     layer = store.model.n_layers // 2
     table = impossibility_demo(load_layer(store, store[sid], layer), score="snapkv",
@@ -144,7 +175,7 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
           f"{all(r['topk_identical'] for r in adversary['rows'])} "
           f"({time.perf_counter() - t0:.0f} s)")
 
-    t0 = _stage("4/5 in-loop eviction outcomes")
+    t0 = _stage("5/6 in-loop eviction outcomes")
     grid = evict_grid(sc)
     atomic_write_text(out / "evict.yaml", yaml.safe_dump(grid, sort_keys=False))
     policies = parse_grid(grid["grid"], where=f"{out / 'evict.yaml'}: grid")
@@ -153,15 +184,39 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
         print(f"  accuracy {acc:5.2f}  {config}")
     print(f"({time.perf_counter() - t0:.0f} s)")
 
-    t0 = _stage("5/5 report")
+    t0 = _stage("6/6 report")
     report = build_report(results, outcomes, prereg_path=prereg or "data/prereg.yaml",
-                          traces_dir=traces, allow_prereg_change=allow_prereg_change)
+                          traces_dir=traces, allow_prereg_change=allow_prereg_change,
+                          peers_dirs=[peers_dir])
     path = write_report(report, report_dir)
     for note in report.notes:
         print(note)
     print(report.terminal_table())
     print(f"\ndemo finished in {time.perf_counter() - t_all:.0f} s; report: {path.resolve()}")
     return path
+
+
+def run_demo_peers(store: Any, scale: DemoScale, out: Path) -> Path:
+    """Replay :data:`DEMO_PEERS` on the sweep's layers (``OUT/peers``, skipped when it holds
+    these peers already) and print one line per peer."""
+    from tracesim.peers import make_peer, replay_peers
+    from tracesim.peers.cli import write_peers
+    from tracesim.safeio import read_json
+
+    peers = [make_peer(name, **params) for name, params in DEMO_PEERS]
+    layers = list(range(0, store.model.n_layers, scale.layer_step))
+    done = out / "peers.json"
+    if not (done.is_file() and read_json(done, "peers record").get("peers")
+            == [p.label() for p in peers] and (out / "peers.parquet").is_file()):
+        table = replay_peers(store, peers, range(scale.peer_seeds), layers=layers)
+        write_peers(out, table, peers, scale.peer_seeds, layers)
+    import pyarrow.parquet as pq
+
+    df = pq.read_table(out / "peers.parquet").to_pandas()
+    for label, g in df.groupby("config_id", sort=False):
+        print(f"  kept {g['kept_tokens'].mean():7.1f}  mse {g['err2'].mean():9.3g}  "
+              f"own bound held {g['peer_bound_ok'].mean():6.3f}  {label}")
+    return out
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -19,7 +19,8 @@ import numpy as np
 from tracesim.estimators import hajek_attention
 from tracesim.prn import permanent_uniforms, step_stream
 
-__all__ = ["Peer", "StepInput", "hajek_step_metrics", "peer_uniforms"]
+__all__ = ["Peer", "StepInput", "effective_size", "hajek_step_metrics", "hub_size",
+           "peer_uniforms", "size_label"]
 
 #: Purposes of the per-step uniforms of peers (the high half of the ``kv_head`` key field).
 PURPOSE_VATT_BASE, PURPOSE_VATT_FINAL = 1, 2
@@ -36,6 +37,36 @@ def peer_uniforms(seed: int, layer: int, head: int, step: int, purpose: int,
         raise ValueError(f"query head {head} outside [0, 65536)")
     return permanent_uniforms(int(seed), int(layer), (int(purpose) << 16) + int(head),
                               np.arange(int(n)), stream=step_stream(step))
+
+
+def hub_size(value: object, where: str, lo: int) -> float | int:
+    """A size parameter as ``xAlg-ai/sparse-attention-hub`` reads one: a float is a fraction of
+    the ``N`` keys (here in [0, 1]; the hub would read 2.0 as ``2 N``), an int a count >= ``lo``.
+    Refused otherwise with ``ValueError`` naming ``where``."""
+    if isinstance(value, float):
+        if not (np.isfinite(value) and 0.0 <= value <= 1.0 and (value > 0 or lo == 0)):
+            raise ValueError(f"{where} = {value!r}: a float is a fraction of the cache, expected "
+                             f"one in {'[0' if lo == 0 else '(0'}, 1]; write a token count as "
+                             "an integer")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= 1 << 31:
+        raise ValueError(f"{where} = {value!r}: expected a number: a fraction of the cache "
+                         f"(a float in (0, 1]) or a token count (an integer >= {lo})")
+    return value
+
+
+def effective_size(size: float | int, n: int) -> int:
+    """The hub's ``_calculate_effective_size``: ``int(size N)`` for a float, ``size`` for an
+    int (truncation, not rounding: 0.5 of 127 keys is 63)."""
+    return int(size * n) if isinstance(size, float) else int(size)
+
+
+def size_label(size: float | int) -> str:
+    """``0.25``, ``1.0`` (every key) or ``256`` (tokens): a float keeps its point."""
+    if isinstance(size, int):
+        return str(size)
+    text = f"{size:g}"
+    return text if any(c in text for c in ".e") else text + ".0"
 
 
 @dataclass

@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-__all__ = ["register", "run_peers"]
+__all__ = ["register", "run_peers", "write_peers"]
 
 _EPILOG = ("example:\n  tracesim peers traces/ --peer magicpig,vattention,quest --seeds 8 "
            "--layers 0:30:3 --out results/peers\n"
-           "  tracesim peers traces/ --peer vattention --params "
+           "  tracesim peers traces/ --peer vattention --peer-params "
            "'{\"vattention\": {\"sinks\": 4, \"local\": 32}}' --out results/peers-small")
 
 
@@ -27,8 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("traces", metavar="TRACES", help="trace store directory")
     p.add_argument("--peer", default="magicpig,vattention,quest",
                    help="comma-separated peers (magicpig, vattention, quest)")
-    p.add_argument("--params", default="{}",
-                   help="JSON mapping peer -> {parameter: value} (docs/peers.md lists them)")
+    p.add_argument("--peer-params", "--params", dest="params", default="{}", metavar="JSON",
+                   help="JSON mapping peer -> {parameter: value} (docs/peers.md lists them; "
+                   "the name 'tracesim evict' uses; --params is an alias)")
     p.add_argument("--seeds", type=int, default=8, help="seeds 0..N-1 (hash draws, sample "
                    "draws; Quest is deterministic and runs once; default 8, at most 4096)")
     p.add_argument("--layers", default=None, help="START:STOP:STEP or a comma-separated list "
@@ -57,9 +58,7 @@ def _peer_names(text: str) -> list[str]:
 
 def run_peers(args: argparse.Namespace) -> int:
     """Run ``peers``; 0 on success, 2 on a user error."""
-    import pyarrow.parquet as pq
-
-    from tracesim.atomic import atomic_files, check_file_targets
+    from tracesim.atomic import check_file_targets
     from tracesim.errors import UsageError
     from tracesim.outpaths import check_output
     from tracesim.peers import make_peer, replay_peers
@@ -73,14 +72,14 @@ def run_peers(args: argparse.Namespace) -> int:
         TIERS_SEEDS.check(args.seeds, "--seeds", ValueError)
         out = check_output(args.out, [("trace store", args.traces)])
         check_file_targets(out, ["peers.parquet", "peers.json"])  # before the replay
-        params = loads_json(args.params, "--params")
+        params = loads_json(args.params, "--peer-params")
         if not isinstance(params, dict) or not all(isinstance(v, dict)
                                                    for v in params.values()):
-            raise ValueError("--params: expected a JSON mapping {peer: {parameter: value}}")
+            raise ValueError("--peer-params: expected a JSON mapping {peer: {parameter: value}}")
         names = _peer_names(args.peer)
         unknown = set(params) - set(names)
         if unknown:
-            raise ValueError(f"--params: {sorted(unknown)} not in --peer {names}")
+            raise ValueError(f"--peer-params: {sorted(unknown)} not in --peer {names}")
         peers = [make_peer(n, **params.get(n, {})) for n in names]
         if not peers:
             raise ValueError("--peer: expected at least one peer")
@@ -95,15 +94,25 @@ def run_peers(args: argparse.Namespace) -> int:
     except (ValueError, StoreError, UsageError) as exc:
         print(f"tracesim peers: {exc}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    try:  # both files or neither: a failure leaves an earlier pair as it was
-        with atomic_files(out, ["peers.parquet", "peers.json"]) as stage:
-            pq.write_table(table, stage / "peers.parquet")
-            (stage / "peers.json").write_text(json.dumps(
-                {"peers": [p.label() for p in peers], "seeds": args.seeds, "layers": layers,
-                 "rows": table.num_rows}, indent=1))
+    try:
+        write_peers(out, table, peers, args.seeds, layers)
     except UsageError as exc:
         print(f"tracesim peers: {exc}", file=sys.stderr)
         return 2
     print(f"{table.num_rows} rows -> {out / 'peers.parquet'}")
     return 0
+
+
+def write_peers(out, table, peers: list, seeds: int, layers: list[int] | None) -> None:
+    """Write ``OUT/peers.parquet`` and ``OUT/peers.json`` (peer labels, seeds, layers, rows):
+    both files or neither, a failure leaving an earlier pair as it was."""
+    import pyarrow.parquet as pq
+
+    from tracesim.atomic import atomic_files
+
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_files(out, ["peers.parquet", "peers.json"]) as stage:
+        pq.write_table(table, stage / "peers.parquet")
+        (stage / "peers.json").write_text(json.dumps(
+            {"peers": [p.label() for p in peers], "seeds": seeds, "layers": layers,
+             "rows": table.num_rows}, indent=1))

@@ -4,11 +4,14 @@ Read from ``mit-han-lab/Quest`` (``evaluation/quest_attention.py``, the path beh
 accuracy tables): pages of ``page`` = 16 positions from position 0 over the whole cache
 (``N = t + 1`` keys, the last page possibly partial); per query head the page bound
 ``U_p = sum_c max(q_c min_c, q_c max_c)`` from the page's elementwise key minimum and maximum;
-the top ``min(max(3, budget // page), n_pages)`` pages by ``U_p`` (``budget`` in tokens,
-``min(N, budget)``); plain softmax over their tokens; no page forced, no reweighting;
-deterministic. Quest keeps its first two layers dense (replay them with ``full`` if you want
-that). Ties between equal bounds go to the earlier page (``numpy`` stable sort; torch's
-``topk`` does not specify).
+the top ``min(max(3, tokens // page), n_pages)`` pages by ``U_p``; plain softmax over their
+tokens; no page forced, no reweighting; deterministic. The token budget is read as
+``xAlg-ai/sparse-attention-hub``'s ``QuestTopKMasker`` reads its ``heavy_size``: a float is a
+fraction, ``tokens = int(budget N)`` (truncated, not rounded), an integer is a count; when
+``N <= max(1, tokens)`` the step attends every token (the hub's switch to full attention).
+Quest keeps its first two layers dense (replay them with ``full`` if you want that). Ties
+between equal bounds go to the earlier page (``numpy`` stable sort; torch's ``topk`` does not
+specify).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from tracesim.peers.base import Peer, StepInput, hajek_step_metrics
+from tracesim.peers.base import (
+    Peer,
+    StepInput,
+    effective_size,
+    hajek_step_metrics,
+    hub_size,
+    size_label,
+)
 from tracesim.proxies.pages import page_upper_bounds
 
 __all__ = ["Quest"]
@@ -32,35 +42,31 @@ class Quest(Peer):
     ----------
     page : int
         Positions per page (16).
-    budget : float
-        Token budget per step: a fraction of the step's cache when <= 1, else tokens.
+    budget : float or int
+        Token budget per step: a float is a fraction in (0, 1] of the step's cache
+        (``int(budget N)`` tokens), an int a token count (see :func:`quest_tokens`).
     """
 
     name: ClassVar[str] = "quest"
     randomized: ClassVar[bool] = False
 
     page: int = 16
-    budget: float = 0.25
+    budget: float | int = 0.25
 
     def __post_init__(self) -> None:
         self._check_ints(1, "page")
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
-            raise ValueError(f"quest: budget = {self.budget!r}: expected a number (a fraction "
-                             "in (0, 1] or a token count)")
-        object.__setattr__(self, "budget", float(self.budget))
-        if not (np.isfinite(float(self.budget)) and float(self.budget) > 0):
-            raise ValueError(f"quest: budget = {self.budget!r}: expected a fraction in (0, 1] "
-                             "or a token count")
+        object.__setattr__(self, "budget", hub_size(self.budget, "quest: budget", 1))
 
     def label(self) -> str:
-        return f"quest(page={self.page},budget={self.budget:g})"
+        return f"quest(page={self.page},budget={size_label(self.budget)})"
 
     def selected_pages(self, x: StepInput) -> np.ndarray:
         n = x.step + 1
-        tokens = int(round(self.budget * n)) if self.budget <= 1 else int(self.budget)
-        tokens = min(n, tokens)
+        tokens = effective_size(self.budget, n)
         bounds = page_upper_bounds(x.query[None], x.keys, self.page)[0]
-        k = min(max(3, tokens // self.page), bounds.size)
+        if n <= max(1, tokens):  # the hub attends every token
+            return np.arange(bounds.size)
+        k = max(1, min(bounds.size, max(3, tokens // self.page)))
         return np.sort(np.argsort(-bounds, kind="stable")[:k])
 
     def attend(self, x: StepInput, state, seed: int, z: float):

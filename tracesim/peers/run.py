@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -11,6 +12,9 @@ from scipy import special
 from tracesim.peers.base import Peer, StepInput
 
 __all__ = ["PEER_COLUMNS", "replay_peers", "step_inputs"]
+
+#: Seconds without a progress line after which ``progress`` prints one per (peer, seed).
+PROGRESS_EVERY_S = 10.0
 
 #: Result columns (besides the keys ``sequence_id, task, layer, head, kv_head, query_position,
 #: context_tokens, peer, config_id, seed``). NaN where a peer does not define one. The last four
@@ -52,6 +56,7 @@ def replay_peers(store, peers: Sequence[Peer], seeds: Iterable[int], *,
         "sequence_id", "task", "layer", "head", "kv_head", "query_position", "context_tokens",
         "peer", "config_id", "seed", *PEER_COLUMNS)}
     ids = list(sequences) if sequences is not None else [s.sequence_id for s in store]
+    last = time.monotonic()
     for sid in ids:
         seq = store[sid]
         for layer in (layers if layers is not None else range(store.model.n_layers)):
@@ -80,6 +85,12 @@ def replay_peers(store, peers: Sequence[Peer], seeds: Iterable[int], *,
                                 rows[k].append(v)
                             for k in PEER_COLUMNS:
                                 rows[k].append(float(r.get(k, np.nan)))
+                    if progress and time.monotonic() - last > PROGRESS_EVERY_S:
+                        # a long layer (a 128k store) says where it is between layer lines
+                        print(f"  {sid} layer {layer}: {peer.label()} seed {seed} done",
+                              flush=True)
+                        last = time.monotonic()
             if progress:
                 print(f"  {sid} layer {layer}: done", flush=True)
+                last = time.monotonic()
     return pa.table(rows)

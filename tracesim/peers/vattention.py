@@ -5,8 +5,11 @@ local and oracle top-k maskers and ``mask_attention_utils.py`` (branch ``main``)
 head at one decode step over ``N = t + 1`` keys (the current one included):
 
 1. **Deterministic part** (weight 1): the first ``sinks`` positions, the last ``local``
-   positions (the current token included), and the ``heavy`` (a fraction of N when < 1, else a
-   count) positions of largest exact ``q . k`` among the rest (oracle top-k).
+   positions (the current token included), and the ``heavy`` positions of largest exact
+   ``q . k`` among the rest (oracle top-k). ``heavy`` is read as the hub's maskers read a size:
+   a float is a fraction, ``int(heavy N)`` positions (so ``1.0`` is all N), an int a count.
+   Each masker switches to full attention on its own rule: ``N <= sinks``, ``N <= local + 1``
+   (one query), ``N <= heavy`` tokens.
 2. **Range** ``[sinks, N - local)``, ``R`` positions; it does not exclude the top-k positions.
    ``R < 2``: full attention.
 3. **Base sample**: ``n_base = max(2, int(base_rate R))`` uniform draws with replacement; ``e_j =
@@ -44,8 +47,11 @@ from tracesim.peers.base import (
     PURPOSE_VATT_FINAL,
     Peer,
     StepInput,
+    effective_size,
     hajek_step_metrics,
+    hub_size,
     peer_uniforms,
+    size_label,
 )
 
 __all__ = ["VAttention", "vattention_budget"]
@@ -69,8 +75,9 @@ class VAttention(Peer):
     ----------
     sinks, local : int
         Deterministic prefix and suffix (the hub's README config: 128 and 128).
-    heavy : float
-        Oracle top-k: a fraction of N (< 1) or a count (>= 1); README config 0.1.
+    heavy : float or int
+        Oracle top-k: a float is a fraction of N (``int(heavy N)``), an int a count; README
+        config 0.1.
     base_rate : float
         Base sample rate (0.1).
     epsilon, delta : float
@@ -81,25 +88,25 @@ class VAttention(Peer):
 
     sinks: int = 128
     local: int = 128
-    heavy: float = 0.1
+    heavy: float | int = 0.1
     base_rate: float = 0.1
     epsilon: float = 0.25
     delta: float = 0.25
 
     def __post_init__(self) -> None:
         self._check_ints(0, "sinks", "local")
-        for f, lo, hi in (("heavy", 0.0, 1e9), ("base_rate", 0.0, 1.0), ("epsilon", 0.0, 1e9),
-                          ("delta", 0.0, 1.0)):
+        object.__setattr__(self, "heavy", hub_size(self.heavy, "vattention: heavy", 0))
+        for f, lo, hi in (("base_rate", 0.0, 1.0), ("epsilon", 0.0, 1e9), ("delta", 0.0, 1.0)):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"vattention: {f} = {v!r}: expected a number")
             v = float(v)
             object.__setattr__(self, f, v)
-            if not (np.isfinite(v) and lo < v < hi) and not (f == "heavy" and v == 0):
+            if not (np.isfinite(v) and lo < v < hi):
                 raise ValueError(f"vattention: {f} = {v!r}: expected a number in ({lo}, {hi})")
 
     def label(self) -> str:
-        return (f"vattention(sinks={self.sinks},local={self.local},heavy={self.heavy:g},"
+        return (f"vattention(sinks={self.sinks},local={self.local},heavy={size_label(self.heavy)},"
                 f"base_rate={self.base_rate:g},epsilon={self.epsilon:g},delta={self.delta:g})")
 
     def deterministic(self, x: StepInput) -> np.ndarray:
@@ -107,7 +114,7 @@ class VAttention(Peer):
         det = np.zeros(n, dtype=bool)
         det[:min(self.sinks, n)] = True
         det[max(0, n - self.local):] = True
-        k = int(self.heavy * n) if self.heavy < 1 else int(self.heavy)
+        k = effective_size(self.heavy, n)
         rest = np.flatnonzero(~det)
         if k > 0 and rest.size:
             order = np.argsort(-x.logits[rest], kind="stable")[:k]
@@ -121,7 +128,8 @@ class VAttention(Peer):
         R = end - start
         e = np.exp(x.logits - x.logits.max())
         D = float(e.sum())
-        if R < 2:  # the hub falls back to full attention
+        # the hub's full-attention switches: its sink, local and top-k maskers, then R < 2
+        if R < 2 or n <= effective_size(self.heavy, n):
             kept = np.ones(n, dtype=bool)
             row = hajek_step_metrics(x, np.ones(n), kept, z)
             row.update(kept_tokens=n, sampled=0, expected_sampled=0.0, budget_b=0,

@@ -79,6 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--floor", type=float, default=None,
                    help="lower bound on every tail pi of poisson/fixed designs, in [0, 1) "
                         "(default 0)")
+    from tracesim.policies.cli_grid import add_design_options
+
+    add_design_options(p)
     p.add_argument("--window", type=int, default=None,
                    help="recent-window length in tokens for every score (default: each "
                    "score's own)")
@@ -109,8 +112,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_replay)
 
 
-def summary_table(table: pa.Table) -> str:
-    """Mean error, certificate and coverage per policy, as aligned text."""
+def summary_table(table: pa.Table, policies: list | None = None) -> str:
+    """Mean error, certificate and coverage per policy, as aligned text; with ``policies``, a
+    last column names each per-step score's proxy and whether it is deployable
+    (``quant:4 (deployable)``, ``exact (not deployable)``) and marks the oracle."""
+    from tracesim.policies.cli_grid import proxy_label
+
+    labels = {p.id: proxy_label(p.score) for p in policies or ()}
     import pyarrow.compute as pc  # not Table.group_by: Acero pulls in pyarrow.dataset and pandas
 
     means = ("err2", "rel_err", "cert2", "wald_cov", "wald_t_cov", "kept_tokens",
@@ -125,6 +133,7 @@ def summary_table(table: pa.Table) -> str:
     for idx in groups.values():
         sub = table.take(to_arrow("index", np.asarray(idx, dtype=np.int64), pa.int64()))
         row = {k: sub[k][0].as_py() for k in ("score", "design", "correction", "budget")}
+        row["proxy"] = labels.get(table["config_id"][idx[0]].as_py(), "")
         row.update({f"{k}_mean": pc.mean(sub[k]).as_py() for k in means})
         row.update(n_seeds_max=pc.max(sub["n_seeds"]).as_py(),
                    err2_count=pc.count(sub["err2"]).as_py())
@@ -132,7 +141,7 @@ def summary_table(table: pa.Table) -> str:
     rows.sort(key=lambda r: (r["score"], r["budget"] is None, r["budget"] or 0.0, r["design"]))
     head = (f"{'score':<10} {'design':<9} {'corr':<5} {'budget':>6} {'kept':>7} {'err2':>10} "
             f"{'rel_err':>8} {'cert2':>10} {'wald':>6} {'wald_t':>6} {'evict':>6} "
-            f"{'seeds':>5} {'rows':>6}")
+            f"{'seeds':>5} {'rows':>6}" + ("  proxy" if any(labels.values()) else ""))
     lines = [head, "-" * len(head)]
 
     def num(v, fmt):
@@ -148,41 +157,44 @@ def summary_table(table: pa.Table) -> str:
             f"{num(r['err2_mean'], '10.4g')} {num(r['rel_err_mean'], '8.3f')} "
             f"{num(r['cert2_mean'], '10.4g')} {num(r['wald_cov_mean'], '6.3f')} "
             f"{num(r['wald_t_cov_mean'], '6.3f')} {num(r['evicted_mass_mean'], '6.3f')} "
-            f"{r['n_seeds_max']:>5} {r['err2_count']:>6}")
+            f"{r['n_seeds_max']:>5} {r['err2_count']:>6}"
+            + (f"  {r['proxy']}" if any(labels.values()) else ""))
     return "\n".join(lines)
 
 
 def build_policies(args: argparse.Namespace) -> list:
-    """The grid the arguments describe (configurations a design makes identical merged, with a
-    note on stderr)."""
-    from tracesim.policies import policy_grid
-    from tracesim.policies.redundancy import merge_score_free
+    """The grid the arguments describe, expanded by the sweep spec's grid parser
+    (:func:`tracesim.policies.cli_grid.policies_from_options`); configurations a design makes
+    identical are merged and left-out combinations noted on stderr."""
+    from tracesim.policies.cli_grid import policies_from_options
 
-    score_params = {}
-    if args.window is not None:
-        score_params = {s: {"window": args.window} for s in args.score if s != "full"}
-    common = {}
-    if args.mixture is not None:
-        common["mixture"] = args.mixture
-    if args.floor is not None:
-        if not 0.0 <= args.floor < 1.0:
-            raise ValueError(f"--floor = {args.floor}: expected a value in [0, 1)")
-        common["floor"] = args.floor
-    design_params = {"poisson": dict(common), "fixed": dict(common)} if common else {}
-    out: dict = {}
+    if args.floor is not None and not 0.0 <= args.floor < 1.0:
+        raise ValueError(f"--floor = {args.floor}: expected a value in [0, 1)")
     for page in args.summary_page:
         if page < 0:
             raise ValueError(f"--summary-page {page}: expected a page size >= 1 (positions per "
                              f"page) or 0 for no summaries")
-        for p in policy_grid(args.score, args.design, args.budget, correction=args.correction,
-                             schedule=args.schedule, allocator=args.allocator,
-                             design_params=design_params, score_params=score_params,
-                             summary_page=page, merge=False):
-            out.setdefault(p.id, p)
-    policies, notes = merge_score_free(list(out.values()))
+    policies, notes = policies_from_options(args)
     for note in notes:
         print(f"tracesim replay: note: {note}", file=sys.stderr)
     return policies
+
+
+def per_step_note(policies: list) -> list[str]:
+    """One line per per-step score configuration: every parameter it ran with (the defaults
+    included: proxy ``exact`` is a reference, not deployable) and each design's mixture."""
+    from tracesim.policies.cli_grid import proxy_label
+
+    lines: dict[str, None] = {}
+    for p in policies:
+        if not getattr(p.score, "per_step", False):
+            continue
+        shown = ", ".join(f"{k} {v}" for k, v in p.score.params().items() if k != "proxy")
+        design = ", ".join(f"{k} {v}" for k, v in json.loads(p.design.params_json()).items()
+                           if k in ("mixture", "floor"))
+        lines.setdefault(f"per-step score: proxy {proxy_label(p.score)}, {shown}; design "
+                         f"{p.design.name}{' (' + design + ')' if design else ''}")
+    return list(lines)
 
 
 def _check_args(args: argparse.Namespace) -> Path:
@@ -260,6 +272,8 @@ def run_replay(args: argparse.Namespace) -> int:
         return 2
     from tracesim.policies.redundancy import budget_warnings
 
+    for line in per_step_note(policies):  # the defaults ran too: say which
+        print(f"tracesim replay: {line}", file=sys.stderr)
     lengths = store.manifest.column("prompt_length").to_pylist()
     for message in budget_warnings(policies, lengths or None):
         print(f"tracesim replay: warning: {message}", file=sys.stderr)
@@ -327,7 +341,7 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
             "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",
             "wald_cov", "wald_t_cov", "kept_tokens", "nominal_tokens", "evicted_mass",
             "n_seeds", "sequence_id"])
-    print(summary_table(table))
+    print(summary_table(table, policies))
     n_seq = len(pc.unique(table["sequence_id"]))
     print(f"\n{table.num_rows} rows ({len(policies)} policies, {n_seq} sequence(s), "
           f"{args.seeds} seeds) in {elapsed:.1f} s -> {path}")
