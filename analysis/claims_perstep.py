@@ -1,7 +1,7 @@
 """Claims on the per-step designs: C9 (replay results) and C10 (vAttention, ``tracesim peers``).
 
 C9: the pre-registered per-step Poisson design covers within its interval on held-out
-sequences with an MSE no larger than per-query top-k by the same proxy (``docs/adaptive.md``).
+sequences with an MSE no larger than per-query top-k by the same proxy (``docs/perstep.md``).
 C10: vAttention's ``(epsilon, delta)`` statement, ``|o_hat - o| <= epsilon |o|`` failing at a
 rate ``<= delta``, per configuration of its pre-registered list (``docs/peers.md``).
 Intervals are cluster-robust by sequence with Student ``t_{k-1}`` quantiles

@@ -1,4 +1,4 @@
-"""The in-loop per-step study (``tracesim evict`` with ``data/sweeps/evict-adaptive.yaml``).
+"""The in-loop per-step study (``tracesim evict`` with ``data/sweeps/evict-perstep.yaml``).
 
 From an outcomes table (``OUT/outcomes.parquet``, one row per sequence, configuration and seed)
 this gives one row per configuration: accuracy, answers identical to the full cache, tokens,
@@ -11,7 +11,7 @@ Holm-adjusted over every comparison of the table. :func:`per_step_claims` evalua
 C6 on the per-step configurations only, and :func:`accuracy_bytes_figure` plots accuracy
 against bytes per step::
 
-    python -m tracesim.analysis.evict_perstep results/evict-adaptive [MORE_DIRS ...] \\
+    python -m tracesim.analysis.evict_perstep results/evict-perstep [MORE_DIRS ...] \\
         --prereg data/prereg.yaml --figure accuracy_bytes.png
 """
 

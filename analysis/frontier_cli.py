@@ -258,23 +258,23 @@ def _head_dim(results: str | Path) -> int:
 def perstep_costs_markdown(df: pd.DataFrame, head_dim: int = 64) -> str:
     """frontier.md's section on per-step designs (empty without per-step rows): error and Wald
     coverage of every configuration next to the HBM it holds and the bytes attention reads per
-    layer and step (:mod:`tracesim.analysis.adaptive_costs`), prefill designs alongside. The
+    layer and step (:mod:`tracesim.analysis.perstep_costs`), prefill designs alongside. The
     frontier's
     memory axis (kept + summary tokens) does not describe a design that reads the whole cache
     from a lower tier, so they are tabulated against these two costs instead."""
     needed = ("schedule", "kv_head", "n_positions", "sinks", "window")
     if any(c not in df for c in needed) or not (df["schedule"] == "step").any():
         return ""
-    from tracesim.analysis.adaptive import adaptive_table
-    from tracesim.analysis.adaptive_costs import cost_columns
+    from tracesim.analysis.perstep import perstep_table
+    from tracesim.analysis.perstep_costs import cost_columns
 
-    t = cost_columns(adaptive_table(df, head_dim), df, head_dim)
+    t = cost_columns(perstep_table(df, head_dim), df, head_dim)
     rows = [[r.score, r.proxy, r.design, r.schedule, _f(r.budget), _f(r.wald), _f(r.mse, 4),
              _f(r.hbm_kib, 5), _f(r.step_read_kib, 5), _f(r.read_rows, 6)]
             for r in t.itertuples(index=False)]
     md = ["", "## Per-step designs: error and coverage against HBM and bytes per step", "",
           "Per layer and decode step, summed over KV heads (fp16 K/V and the tiers memory "
-          "model's defaults; docs/adaptive.md, Costs). Bytes read include a per-step design's "
+          "model's defaults; docs/perstep.md, Costs). Bytes read include a per-step design's "
           "proxy summary of every cached token.", ""]
     md += _md_table(["score", "proxy", "design", "schedule", "budget", "Wald", "MSE",
                      "HBM KiB", "read KiB / step", "rows from the lower tier"], rows)

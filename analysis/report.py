@@ -25,7 +25,6 @@ import pandas as pd
 import pyarrow.parquet as pq
 from tracesim.analysis import figures
 from tracesim.analysis import report_figures as rfig
-from tracesim.analysis.adaptive_figure import add_to_report as add_perstep_frontier
 from tracesim.analysis.answer_span import add_to_report as add_answer_span
 from tracesim.analysis.claim_registry import claims_table, registered_claims
 from tracesim.analysis.claims import (
@@ -38,6 +37,7 @@ from tracesim.analysis.claims import (
 from tracesim.analysis.evict_perstep import add_to_report as add_perstep_outcomes
 from tracesim.analysis.fetch import compare_fetch, fetch_figure, fetch_table, split_fetch_outcomes
 from tracesim.analysis.multiplicity import holm
+from tracesim.analysis.perstep_figure import add_to_report as add_perstep_frontier
 from tracesim.analysis.prereg import Preregistration, check_prereg_hash, load_prereg
 from tracesim.analysis.provenance import Provenance, collect_provenance
 from tracesim.analysis.results_io import (

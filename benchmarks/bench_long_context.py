@@ -20,7 +20,7 @@ Policies (``--policies``, comma-separated, budget 25 % throughout):
 - ``SCORE:DESIGN`` (e.g. ``snapkv:poisson``, ``h2o:bernoulli``): a prefill design, one-shot
   schedule, every parameter at its default (Poisson mixture 0, SnapKV's ``last`` window).
 - ``perstep:PROXY:DESIGN`` (e.g. ``perstep:quant:4:poisson``, ``perstep:simhash:10,150:poisson``):
-  a per-step design (``docs/adaptive.md``), score ``perstep`` with that proxy spec (which may
+  a per-step design (``docs/perstep.md``), score ``perstep`` with that proxy spec (which may
   hold colons and commas), schedule ``step`` (fresh uniforms), Poisson mixture 0.1 (the
   study's setting), other parameters at their defaults. It needs a stored decode query at every
   evaluated step: the layer's ``--decode`` queries sit at the consecutive positions
@@ -73,7 +73,7 @@ def long_layer(P: int, n_decode: int = 64, n_heads: int = 9, n_kv: int = 3, d: i
                       sequence_id=f"long{P}", meta={"task": "synthetic", "correct": True})
 
 
-#: Poisson mixture of the per-step spelling (the per-step study's, ``data/sweeps/adaptive.yaml``).
+#: Poisson mixture of the per-step spelling (the per-step study's, ``data/sweeps/perstep.yaml``).
 PERSTEP_MIXTURE = 0.1
 #: Budget of every spelling (a fraction of the compressible range, or of each step's cache).
 BUDGET = 0.25

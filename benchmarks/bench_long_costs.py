@@ -6,12 +6,12 @@ d = 64, ``--positions`` positions, ``--decode`` decode queries at the consecutiv
 ``bench_long_context.py``, budget 25 %) on it, one policy per replay so that the process holds
 one policy's tables at a time, with ``--seeds`` seeds and the output-space certificate off (no
 cost column reads it). The result rows (:func:`tracesim.replay.results.layer_batch`, seed means)
-then go through :func:`tracesim.analysis.adaptive.adaptive_table` and
-:func:`tracesim.analysis.adaptive_costs.cost_columns`, as ``python -m tracesim.analysis.adaptive``
+then go through :func:`tracesim.analysis.perstep.perstep_table` and
+:func:`tracesim.analysis.perstep_costs.cost_columns`, as ``python -m tracesim.analysis.perstep``
 does with a
 replay's output: HBM per layer, rows read per step, bytes over the link (rows or partial sums)
 and the modelled transfer time per layer and step, summed over the 3 KV heads, from the tiers
-memory model's defaults (``docs/adaptive.md``, "Costs").
+memory model's defaults (``docs/perstep.md``, "Costs").
 
 The costs depend on the mean kept tokens per step (``kept_tokens``) and the positions, not on
 the estimates, so a few seeds and decode steps give them; every step's kept set is still a real
@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_long_context import long_layer, parse_policies  # noqa: E402
 from benchmarks.protocol import peak_rss_mb  # noqa: E402
 
-#: The per-step proxies of the 1k cost table (``docs/adaptive.md``) and SnapKV's prefill design.
+#: The per-step proxies of the 1k cost table (``docs/perstep.md``) and SnapKV's prefill design.
 DEFAULT_POLICIES = ("perstep:exact:poisson,perstep:quant:4:poisson,perstep:quant:2:poisson,"
                     "perstep:pages:16:poisson,perstep:simhash:10,150:poisson,snapkv:poisson")
 #: Columns printed (and returned), in order.
@@ -59,8 +59,8 @@ def cost_table(positions: int, decode: int, seeds: int, policies: str,
         Wall time of the replays, seconds.
     """
     import pandas as pd
-    from tracesim.analysis.adaptive import adaptive_table
-    from tracesim.analysis.adaptive_costs import cost_columns
+    from tracesim.analysis.perstep import perstep_table
+    from tracesim.analysis.perstep_costs import cost_columns
 
     from tracesim.replay import ReplayOptions, replay_layer
     from tracesim.replay.results import layer_batch
@@ -76,7 +76,7 @@ def cost_table(positions: int, decode: int, seeds: int, policies: str,
         del res
     wall = time.perf_counter() - t
     df = pd.concat(frames, ignore_index=True)
-    table = cost_columns(adaptive_table(df, head_dim), df, head_dim)
+    table = cost_columns(perstep_table(df, head_dim), df, head_dim)
     return table[list(COLUMNS)], wall
 
 

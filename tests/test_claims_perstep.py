@@ -11,9 +11,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tracesim.analysis.adaptive import evaluate_c10
 from tracesim.analysis.claims import INPUT_MISSING, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED
 from tracesim.analysis.claims_replay import evaluate_c1, evaluate_c2_attention
+from tracesim.analysis.perstep import evaluate_c10
 from tracesim.analysis.prereg import load_prereg, prereg_hash
 from tracesim.analysis.report import build_report, write_report
 

@@ -265,8 +265,8 @@ def test_per_step_results_are_bit_identical_across_threads(trace):
     assert_same_on_one_and_two_threads(trace, pols, np.array([3, 1, 4]))
 
 
-def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
-    from tracesim.analysis.adaptive import adaptive_table
+def test_perstep_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
+    from tracesim.analysis.perstep import perstep_table
 
     from tests.replay_fixtures import build_store
     from tracesim.replay import replay
@@ -277,7 +277,7 @@ def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
                                                                           "window": 8})
             for p in ("exact", "quant:2") for d in ("topk", "poisson")]
     df = replay(store, pols, seeds=4, progress=False).to_pandas()
-    table = adaptive_table(df, head_dim=8)
+    table = perstep_table(df, head_dim=8)
     assert len(table) == 4 and set(table.proxy) == {"exact", "quant:2"}
     assert (table[table.design == "topk"].mse_vs_topk == 1).all()
     rnd = table[table.design == "poisson"]
@@ -287,7 +287,7 @@ def test_adaptive_table_compares_each_design_with_top_k_by_its_proxy(tmp_path):
 
 
 def test_by_table_keeps_each_store_apart(tmp_path):
-    from tracesim.analysis.adaptive import adaptive_table, by_table
+    from tracesim.analysis.perstep import by_table, perstep_table
 
     from tests.replay_fixtures import build_store
     from tracesim.replay import replay
@@ -302,7 +302,7 @@ def test_by_table_keeps_each_store_apart(tmp_path):
     a, b = df.assign(store="a"), df.assign(store="b", err2=df["err2"] * 4)
     table = by_table(pd.concat([a, b], ignore_index=True), "store", head_dim=8)
     assert list(table.store) == ["a", "a", "b", "b"]
-    alone = adaptive_table(a, head_dim=8)
+    alone = perstep_table(a, head_dim=8)
     assert np.allclose(table[table.store == "a"].mse_vs_topk, alone.mse_vs_topk)
     assert np.allclose(table[table.store == "b"].mse_vs_topk, alone.mse_vs_topk)
     assert np.allclose(table[table.store == "b"].mse.to_numpy(), 4 * alone.mse.to_numpy())
@@ -310,7 +310,7 @@ def test_by_table_keeps_each_store_apart(tmp_path):
     with pytest.raises(ValueError, match="--by 'nope'"):
         by_table(df, "nope")
     # The report lists several stores apart and pools them in the figure.
-    from tracesim.analysis.adaptive_figure import add_to_report
+    from tracesim.analysis.perstep_figure import add_to_report
 
     class Report:
         tables: dict = {}
@@ -339,7 +339,7 @@ def _frame(config, n_seq, cov, err2, cert2=1.0, rng=None, **meta):
 
 def test_claims_c9_c10_and_the_conformal_radius_on_constructed_results():
     import pandas as pd
-    from tracesim.analysis.adaptive import conformal_radius, evaluate_c9, evaluate_c10
+    from tracesim.analysis.perstep import conformal_radius, evaluate_c9, evaluate_c10
     from tracesim.analysis.prereg import load_prereg
 
     from tracesim.policies import make_policy
@@ -384,8 +384,8 @@ def test_claims_c9_c10_and_the_conformal_radius_on_constructed_results():
 
 def test_cost_columns_follow_the_memory_model():
     import pandas as pd
-    from tracesim.analysis.adaptive import adaptive_table
-    from tracesim.analysis.adaptive_costs import cost_columns
+    from tracesim.analysis.perstep import perstep_table
+    from tracesim.analysis.perstep_costs import cost_columns
 
     from tracesim.tiers.model import MemoryModel, Tier
 
@@ -401,7 +401,7 @@ def test_cost_columns_follow_the_memory_model():
     df = pd.DataFrame(rows)
     model = MemoryModel(lower=(Tier("dram", bandwidth_gbps=1.0, latency_us=2.0,
                                     capacity_gb=1.0, queue_depth=4),))
-    t = cost_columns(adaptive_table(df, 8), df, head_dim=8, model=model).set_index("score")
+    t = cost_columns(perstep_table(df, 8), df, head_dim=8, model=model).set_index("score")
     b = 2 * 8 * 2  # bytes of one token of one KV head (fp16 K and V)
     # kept_tokens counts the step's cache [0, t): the current token is already out of it.
     rows_read = (100 - 4 - 32) * 2
@@ -416,9 +416,9 @@ def test_cost_columns_follow_the_memory_model():
 
 
 def test_frontier_counts_the_bytes_each_step_reads_and_draws():
-    from tracesim.analysis.adaptive import adaptive_table
-    from tracesim.analysis.adaptive_costs import cost_columns
-    from tracesim.analysis.adaptive_figure import frontier_figure
+    from tracesim.analysis.perstep import perstep_table
+    from tracesim.analysis.perstep_costs import cost_columns
+    from tracesim.analysis.perstep_figure import frontier_figure
 
     step = make_policy("perstep", "poisson", 0.25, schedule="step",
                        score_params={"proxy": "quant:4"})
@@ -432,7 +432,7 @@ def test_frontier_counts_the_bytes_each_step_reads_and_draws():
                          "cert2": 1.0, "wald_cov": 1.0 if pol.certified else np.nan,
                          "wald_t_cov": 1.0 if pol.certified else np.nan})
     df = pd.DataFrame(rows)
-    table = cost_columns(adaptive_table(df, 8), df, head_dim=8)
+    table = cost_columns(perstep_table(df, 8), df, head_dim=8)
     b = 2 * 8 * 2  # fp16 K and V of one token, d = 8
     got = table.set_index(["score", "design"])["step_read_kib"]
     # per-step: the attended tokens plus the 4-bit proxy of all 400 cached tokens (5 bits/d)
@@ -470,8 +470,8 @@ def test_frontier_md_tabulates_per_step_designs_against_their_costs(tmp_path):
 
 def test_claims_need_two_sequences_and_paired_sequences():
     import pandas as pd
-    from tracesim.analysis.adaptive import evaluate_c9
     from tracesim.analysis.cluster import one_sided_bounds
+    from tracesim.analysis.perstep import evaluate_c9
     from tracesim.analysis.prereg import load_prereg
 
     m, lo, hi = one_sided_bounds(pd.Series([1.0, 0.0, 1.0, 1.0]), pd.Series(["a"] * 4), 0.95)

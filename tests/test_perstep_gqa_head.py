@@ -277,9 +277,9 @@ def test_sweep_grid_crosses_gqa_and_is_identical_on_one_and_two_workers(tmp_path
     assert set(ref.score_params.map(lambda s: yaml.safe_load(s)["gqa"])) == {"mean", "head"}
 
 
-def test_adaptive_table_labels_gqa_and_costs_count_each_heads_rows():
-    from tracesim.analysis.adaptive import adaptive_table
-    from tracesim.analysis.adaptive_costs import cost_columns
+def test_perstep_table_labels_gqa_and_costs_count_each_heads_rows():
+    from tracesim.analysis.perstep import perstep_table
+    from tracesim.analysis.perstep_costs import cost_columns
 
     rows = []
     for gqa, kept in (("mean", 100), ("head", 90)):
@@ -289,7 +289,7 @@ def test_adaptive_table_labels_gqa_and_costs_count_each_heads_rows():
             rows.append({**pol.row(), "sequence_id": "s", "head": h, "kv_head": h // 3,
                          "kept_tokens": kept, "n_positions": 400, "wald_cov": 1.0,
                          "wald_t_cov": 1.0, "err2": 1.0, "cert2": 1.0})
-    table = cost_columns(adaptive_table(pd.DataFrame(rows), 8), pd.DataFrame(rows), head_dim=8)
+    table = cost_columns(perstep_table(pd.DataFrame(rows), 8), pd.DataFrame(rows), head_dim=8)
     t = table.set_index("gqa")
     assert t.loc["mean", "read_rows"] == (100 - 36) * 2  # kept_tokens excludes the current token
     assert t.loc["head", "read_rows"] == 3 * (90 - 36) * 2  # G x the per-head rows
@@ -297,9 +297,9 @@ def test_adaptive_table_labels_gqa_and_costs_count_each_heads_rows():
 
 
 def test_tiny_replay_of_the_held_out_grid_entry(tmp_path):
-    """The ``gqa: head`` entry of ``data/sweeps/adaptive-heldout.yaml``, as it is, on a test
+    """The ``gqa: head`` entry of ``data/sweeps/perstep-heldout.yaml``, as it is, on a test
     store (9 query heads on 3 KV heads, 40 decode steps)."""
-    doc = yaml.safe_load(open("data/sweeps/adaptive-heldout.yaml"))
+    doc = yaml.safe_load(open("data/sweeps/perstep-heldout.yaml"))
     entry = [g for g in doc["grid"] if g.get("score_params", {}).get("perstep", {}).get("gqa")]
     assert len(entry) == 1 and entry[0]["score_params"]["perstep"]["gqa"] == ["head"]
     policies = expand_grid(entry[0]).policies

@@ -202,7 +202,7 @@ def step_columns(policy: Policy, result: Any, prompt_length: int, n_layers: int,
       summary of the ``t`` cached tokens (``t x proxy bits / 8``);
     * ``step_link_bytes``: ``step_rows_read x b``, the bytes over the link;
     * ``step_us``: modelled time of those transfers on the first lower tier, rows scattered
-      (one transfer each), as ``tracesim.analysis.adaptive_costs`` models them (microseconds).
+      (one transfer each), as ``tracesim.analysis.perstep_costs`` models them (microseconds).
 
     Every column is a mean over the run's decode steps (NaN when it has none).
     """

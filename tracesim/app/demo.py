@@ -41,7 +41,7 @@ class DemoScale:
 
 SCALES: dict[str, DemoScale] = {
     # 1k tokens: per-step designs are measured where C9 was pre-registered (at 512 they cover
-    # ~0.92, docs/adaptive.md); every third layer, as C9 and C10 were registered
+    # ~0.92, docs/perstep.md); every third layer, as C9 and C10 were registered
     "small": DemoScale(tasks=("passkey", "multikey", "vartrack"), n=2, length=1024,
                        replay_seeds=16, evict_seeds=2, scores=("snapkv", "h2o", "streaming"),
                        budgets=(0.1, 0.25, 0.5), layer_step=3, peer_seeds=2),

@@ -33,7 +33,7 @@ def add_design_options(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--proxy", default=None, metavar="SPEC",
                    help="proxy of the per-step score (score perstep): exact (a reference, not "
-                   "deployable), quant:b, lowrank:r, pages:P or simhash:K,L (docs/adaptive.md; "
+                   "deployable), quant:b, lowrank:r, pages:P or simhash:K,L (docs/perstep.md; "
                    "default exact, printed)")
     p.add_argument("--gqa", default=None, choices=GQA_AGGREGATIONS,
                    help="per-step score: one sample per KV head from the group's mean "

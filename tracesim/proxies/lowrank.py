@@ -23,7 +23,7 @@ class LowRankProxy(Proxy):
 
     Loki computes its basis offline from pre-RoPE keys of calibration data; the store holds
     post-RoPE keys, whose rotation spreads energy across channels, so this proxy is weaker than
-    Loki's (documented in ``docs/adaptive.md``). Memory: ``rank`` fp16 coefficients per token
+    Loki's (documented in ``docs/perstep.md``). Memory: ``rank`` fp16 coefficients per token
     (the ``d x rank`` basis per head is not counted per token).
 
     Parameters

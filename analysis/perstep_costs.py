@@ -40,7 +40,7 @@ __all__ = ["cost_columns"]
 
 def cost_columns(table: pd.DataFrame, df: pd.DataFrame, head_dim: int = 64,
                  model=None) -> pd.DataFrame:
-    """``table`` (:func:`tracesim.analysis.adaptive.adaptive_table`) with the cost columns added:
+    """``table`` (:func:`tracesim.analysis.perstep.perstep_table`) with the cost columns added:
     ``hbm_kib``, ``read_rows``, ``link_kib`` (rows), ``link_kib_partial``, ``step_us`` (rows),
     ``step_us_partial`` and ``step_read_kib``, per layer and decode step (module docstring)."""
     from tracesim.proxies import make_proxy

@@ -16,8 +16,8 @@ of ``tracesim peers``), as ``tracesim report`` does (:mod:`tracesim.analysis.cla
 With ``--by COLUMN`` (e.g. ``store`` for the length sweep) it prints one table per value of that
 column, each with its own top-k baseline and costs.
 
-Usage: ``python -m tracesim.analysis.adaptive RESULTS_DIR [--calibration DIR] [--peers DIR ...]
-[--prereg data/prereg.yaml] [--by COLUMN]`` (``docs/adaptive.md``).
+Usage: ``python -m tracesim.analysis.perstep RESULTS_DIR [--calibration DIR] [--peers DIR ...]
+[--prereg data/prereg.yaml] [--by COLUMN]`` (``docs/perstep.md``).
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from tracesim.analysis.adaptive_costs import cost_columns
 from tracesim.analysis.claims_perstep import evaluate_c9, evaluate_c10
 from tracesim.analysis.cluster import cluster_mean, student_quantile
+from tracesim.analysis.perstep_costs import cost_columns
 from tracesim.analysis.prereg import load_prereg
 from tracesim.analysis.results_io import load_peers, load_results
 
 # evaluate_c9 and evaluate_c10 live with the other claims (tracesim.analysis.claims_perstep); they
 # are
 # named here too because this command evaluates them.
-__all__ = ["adaptive_table", "by_table", "conformal_radius", "evaluate_c9", "evaluate_c10", "main"]
+__all__ = ["perstep_table", "by_table", "conformal_radius", "evaluate_c9", "evaluate_c10", "main"]
 
 
 def _cluster_ci(values: pd.Series, clusters: pd.Series) -> tuple[float, float]:
@@ -61,7 +61,7 @@ def _gqa(row: pd.Series) -> str:
     return str(json.loads(row["score_params"]).get("gqa", "mean"))
 
 
-def adaptive_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
+def perstep_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
     """One row per configuration (see the module docstring), sorted as the study lists them.
 
     ``gqa`` says how a per-step design samples the GQA group; a configuration's top-k baseline
@@ -99,7 +99,7 @@ def adaptive_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
 
 
 def by_table(df: pd.DataFrame, column: str, head_dim: int = 64) -> pd.DataFrame:
-    """:func:`adaptive_table` with the cost columns, computed separately for each value of a
+    """:func:`perstep_table` with the cost columns, computed separately for each value of a
     result column (first column of the output). Each part has its own per-query top-k
     baseline and its own cached-token count ``P``, so a length sweep's stores stay apart."""
     if column not in df.columns:
@@ -107,7 +107,7 @@ def by_table(df: pd.DataFrame, column: str, head_dim: int = 64) -> pd.DataFrame:
                          f"{sorted(df.columns)[:12]}...")
     parts = []
     for value, g in df.groupby(column, sort=False):
-        t = cost_columns(adaptive_table(g, head_dim), g, head_dim)
+        t = cost_columns(perstep_table(g, head_dim), g, head_dim)
         t.insert(0, column, value)
         parts.append(t)
     return pd.concat(parts, ignore_index=True)
@@ -129,7 +129,7 @@ def conformal_radius(cal: pd.DataFrame, level: float = 0.95) -> dict[str, float]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tracesim.analysis.adaptive", description=__doc__
+    ap = argparse.ArgumentParser(prog="python -m tracesim.analysis.perstep", description=__doc__
                                  .splitlines()[0])
     ap.add_argument("results", help="a replay or sweep output directory")
     ap.add_argument("--head-dim", type=int, default=64)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.by and args.calibration:
             raise ValueError("--by and --calibration: give one of them")
         table = (by_table(df, args.by, args.head_dim) if args.by else
-                 cost_columns(adaptive_table(df, args.head_dim), df, args.head_dim))
+                 cost_columns(perstep_table(df, args.head_dim), df, args.head_dim))
         if args.calibration:
             cal, _ = load_results(Path(args.calibration))
             radius = conformal_radius(cal)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 peers = load_peers(args.peers)
                 claims.append(evaluate_c10(peers, pre.claims["C10"], pre.claim_alpha("C10")))
     except (ValueError, OSError, KeyError) as exc:
-        print(f"python -m tracesim.analysis.adaptive: {exc}", file=sys.stderr)
+        print(f"python -m tracesim.analysis.perstep: {exc}", file=sys.stderr)
         return 2
     with pd.option_context("display.width", 250, "display.max_columns", 30):
         print(table.to_string(index=False, float_format=lambda x: f"{x:.4g}"))

@@ -1,14 +1,14 @@
 """The per-step frontier: error and coverage against HBM memory and against bytes per step.
 
-One point per configuration of :func:`tracesim.analysis.adaptive.adaptive_table` with the costs of
-:func:`tracesim.analysis.adaptive_costs.cost_columns`, per layer and decode step, summed over the
+One point per configuration of :func:`tracesim.analysis.perstep.perstep_table` with the costs of
+:func:`tracesim.analysis.perstep_costs.cost_columns`, per layer and decode step, summed over the
 layer's
 KV heads:
 
 - **HBM** (``hbm_kib``): what stays in fast memory between steps (a prefill design's kept set; a
   per-step design's sinks, window and proxy summary of every cached token).
 - **Bytes per step** (``step_read_kib``): what attention reads at one step wherever it lives,
-  the proxy's summary of every cached token included (:mod:`tracesim.analysis.adaptive_costs`).
+  the proxy's summary of every cached token included (:mod:`tracesim.analysis.perstep_costs`).
 
 The top panels plot the mean squared error (log scale), the bottom ones Wald coverage of all
 rows, with the nominal level as a line; uncertified configurations (top-k) have no coverage
@@ -33,7 +33,7 @@ def _label(row: pd.Series) -> str:
 
 def frontier_figure(table: pd.DataFrame, nominal: float = 0.95) -> tuple[bytes, str] | None:
     """Error and coverage against HBM and bytes per step (module docstring); ``table`` needs
-    the columns of ``adaptive_table`` plus ``hbm_kib`` and ``step_read_kib``. ``None`` when no
+    the columns of ``perstep_table`` plus ``hbm_kib`` and ``step_read_kib``. ``None`` when no
     configuration has finite costs."""
     t = table[np.isfinite(table["hbm_kib"]) & np.isfinite(table["step_read_kib"])
               & (table["mse"] > 0)]
@@ -72,19 +72,19 @@ def frontier_figure(table: pd.DataFrame, nominal: float = 0.95) -> tuple[bytes, 
                "rows (bottom) against the HBM each holds per layer (left) and the bytes "
                "attention reads per layer and decode step, the proxy's summary included "
                "(right); open markers are top-k (no coverage). Costs: the tiers memory model's "
-               "defaults (docs/adaptive.md, Costs).")
+               "defaults (docs/perstep.md, Costs).")
     return png_bytes(fig), caption
 
 
 def add_to_report(report, results: pd.DataFrame, head_dim: int = 64) -> None:
-    """The report's per-step table (:func:`tracesim.analysis.adaptive.adaptive_table` with the
+    """The report's per-step table (:func:`tracesim.analysis.perstep.perstep_table` with the
     costs of
-    :func:`tracesim.analysis.adaptive_costs.cost_columns`; one part per store when the results hold
+    :func:`tracesim.analysis.perstep_costs.cost_columns`; one part per store when the results hold
     several, as a length sweep does) and :func:`frontier_figure`."""
-    from tracesim.analysis.adaptive import adaptive_table, by_table
-    from tracesim.analysis.adaptive_costs import cost_columns
+    from tracesim.analysis.perstep import by_table, perstep_table
+    from tracesim.analysis.perstep_costs import cost_columns
 
-    table = cost_columns(adaptive_table(results, head_dim), results, head_dim)
+    table = cost_columns(perstep_table(results, head_dim), results, head_dim)
     several = "store" in results and results["store"].nunique() > 1
     # Stores of different lengths (a length sweep) are tabulated apart; the figure pools them.
     shown = by_table(results, "store", head_dim) if several else table
