@@ -190,4 +190,4 @@ def test_cli_import_is_torch_free_and_help_works():
 
 def test_cli_rejects_unknown_task(tmp_path, capsys):
     assert tracesim_main(["capture", "--tasks", "nope", "--out", str(tmp_path / "x")]) == 2
-    assert "unknown task" in capsys.readouterr().out
+    assert "unknown task" in capsys.readouterr().err  # refusals go to stderr
