@@ -114,3 +114,20 @@ def test_perstep_walkthrough_is_all_marked():
     # every per-step command captures SmolLM2 traces or runs for minutes: all are parsed only
     found = [marked for lang, _, marked in blocks(DOCS[2]) if lang == "sh"]
     assert found and all(found)
+
+
+def test_shipped_specs_write_into_the_checkouts_ignored_results(tmp_path, monkeypatch):
+    # docs/sweeps.md: a spec's relative paths resolve against its own folder, whatever the
+    # working directory (a rerun from anywhere resumes the same sweep), and the shipped specs
+    # write under the checkout's results/, which git ignores; --out is relative to the cwd
+    from tracesim.safeio import read_yaml
+    from tracesim.sweep.spec import load_spec
+
+    assert "/results/" in (ROOT / ".gitignore").read_text().split()
+    for spec in sorted((ROOT / "data" / "sweeps").glob("*.yaml")):
+        output = read_yaml(spec).get("output")
+        assert output is None or str(output).startswith("../../results/"), (spec.name, output)
+    monkeypatch.chdir(tmp_path)
+    example = ROOT / "data" / "sweeps" / "example.yaml"
+    assert load_spec(example).output == ROOT / "results" / "sweeps" / "example"
+    assert load_spec(example, output="mine").output == tmp_path.resolve() / "mine"
