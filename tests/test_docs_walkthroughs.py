@@ -104,6 +104,8 @@ def test_walkthrough_runs_in_an_empty_directory(doc, tmp_path, monkeypatch, caps
             assert code == 0, f"{doc.name}: {shlex.join(argv)} exited {code}: {captured.err}"
             if "--proxy" in argv:  # what the doc says the summary shows
                 assert "quant:4 (deployable)" in captured.out
+            if any('"exact"' in arg for arg in argv):
+                assert "exact (not deployable)" in captured.out
             if "--dry-run" in argv:  # the doc's figures are the dry run's (test_readme checks them)
                 assert re.search(r"grid: \d+ configuration", captured.out)
             ran += 1
