@@ -3,8 +3,9 @@
 Every fenced ``sh`` block runs, command by command, in an empty directory holding only the
 sample store at ``data/sample-traces`` (the README says to run them from the repository root;
 the store is the one input). A block preceded by ``<!-- docs-test: needs-model ... -->``
-needs the model or a long run: each of its ``tracesim`` commands is still parsed by its own
-subcommand's parser, so a renamed or removed option fails here. Every ``python`` block runs too.
+needs the model (``<!-- docs-test: long-run ... -->``: a run of minutes): each of its
+``tracesim`` commands is still parsed by its own subcommand's parser, so a renamed or removed
+option fails here. Every ``python`` block runs too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tracesim.app.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-MARKER = "<!-- docs-test: needs-model"
+MARKERS = ("<!-- docs-test: needs-model", "<!-- docs-test: long-run")
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 
@@ -32,7 +33,7 @@ def blocks(path: Path) -> list[tuple[str, str, bool]]:
     out = []
     for match in _FENCE.finditer(text):
         before = text[:match.start()].rstrip().splitlines()
-        marked = bool(before) and before[-1].startswith(MARKER)
+        marked = bool(before) and before[-1].startswith(MARKERS)
         out.append((match.group(1), match.group(2), marked))
     return out
 
