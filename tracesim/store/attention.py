@@ -7,23 +7,21 @@
   logits entering the softmax denominator with value zero (gpt-oss).
 
 A store without them is full attention everywhere, unchanged. Indices are the STORED layers and
-query heads (a subset store records only what it holds, docs/trace-format.md).
+query heads (a subset store records only what it holds, docs/trace-format.md). The fields are
+validated once, by :class:`~tracesim.store.format.ModelMeta` when ``model.json`` is read; this
+module only gives each layer its view.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .format import MODEL_FILE, StoreError
+from .format import MODEL_FILE, ModelMeta, StoreError
 
 __all__ = ["LayerAttention", "layer_attention"]
-
-ATTENTION_KINDS = ("full", "sliding")
-
 
 @dataclass(frozen=True)
 class LayerAttention:
@@ -47,68 +45,17 @@ class LayerAttention:
     sinks: np.ndarray | None = None
 
 
-def _number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(float(value)))
-
-
-def layer_attention(model_json: dict[str, Any], layer: int, heads: list[int],
-                    n_layers: int, n_heads: int) -> LayerAttention:
-    """Parse the attention fields of ``model_json`` for one stored layer.
-
-    Parameters
-    ----------
-    model_json : dict
-        The parsed ``model.json``.
-    layer : int
-        The stored layer index.
-    heads : list of int
-        The stored query heads whose sinks to read (all of them: ``range(n_heads)``).
-    n_layers, n_heads : int
-        The stored layer and query-head counts (the lists' lengths).
-
-    Raises
-    ------
-    StoreError
-        Naming ``model.json``, the field and the expected value.
-    """
+def layer_attention(model: ModelMeta, layer: int) -> LayerAttention:
+    """How stored ``layer`` attends, from the fields :class:`~tracesim.store.format.ModelMeta`
+    has already validated (:mod:`tracesim.attention_rule`); full and plain when absent."""
     kind, window = "full", None
-    spec = model_json.get("layer_attention")
-    if spec is not None:
-        if not isinstance(spec, list) or len(spec) != n_layers:
-            raise StoreError(f"{MODEL_FILE}: field 'layer_attention' is not a list of "
-                             f"{n_layers} entries, expected one {{kind, window}} per layer")
-        entry = spec[layer]
-        kind = entry.get("kind") if isinstance(entry, dict) else None
-        window = entry.get("window") if isinstance(entry, dict) else None
-        if kind not in ATTENTION_KINDS:
-            raise StoreError(f"{MODEL_FILE}: field 'layer_attention[{layer}].kind' is "
-                             f"{kind!r}, expected one of {ATTENTION_KINDS}")
-        if kind == "sliding":
-            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-                raise StoreError(f"{MODEL_FILE}: field 'layer_attention[{layer}].window' "
-                                 f"is {window!r}, expected an int >= 1 for a sliding layer")
-        elif window is not None:
-            raise StoreError(f"{MODEL_FILE}: field 'layer_attention[{layer}].window' is "
-                             f"{window!r}, expected null for a full layer")
-    softcap = model_json.get("attn_logit_softcap")
-    if softcap is not None:
-        if not _number(softcap) or not float(softcap) > 0:
-            raise StoreError(f"{MODEL_FILE}: field 'attn_logit_softcap' is {softcap!r}, "
-                             "expected null or a finite float > 0")
-        softcap = float(softcap)
-    sinks = model_json.get("sinks")
-    sink_row = None
-    if sinks is not None:
-        ok = (isinstance(sinks, list) and len(sinks) == n_layers
-              and all(isinstance(r, list) and len(r) == n_heads and all(_number(x) for x in r)
-                      for r in sinks))
-        if not ok:
-            raise StoreError(f"{MODEL_FILE}: field 'sinks' is not a list of {n_layers} lists of "
-                             f"{n_heads} finite floats, expected null or one sink logit per "
-                             "layer and query head")
-        sink_row = np.asarray([float(sinks[layer][h]) for h in heads], dtype=np.float64)
-    return LayerAttention(kind=kind, window=window, softcap=softcap, sinks=sink_row)
+    if model.layer_attention is not None:
+        entry = model.layer_attention[layer]
+        kind, window = entry["kind"], entry["window"]
+    sinks = (None if model.sinks is None
+             else np.asarray(model.sinks[layer], dtype=np.float64))
+    return LayerAttention(kind=kind, window=window, softcap=model.attn_logit_softcap,
+                          sinks=sinks)
 
 
 def refuse_attention_variants(store: Any, layers: Any, consumer: str) -> None:

@@ -274,7 +274,7 @@ class TraceStore:
             raise KeyError(f"{self.path}: no sequence {sequence_id!r}") from None
         meta = self.manifest.slice(i, 1).to_pylist()[0]
         seq = TraceSequence(self.model, self.path, meta)
-        seq.has_sinks = self._model_json.get("sinks") is not None
+        seq.has_sinks = self.model.sinks is not None
         return seq
 
     def __iter__(self) -> Iterator[TraceSequence]:
@@ -303,8 +303,7 @@ class TraceStore:
         m = self.model
         layer = _check_index(layer, m.n_layers, "layer")
         # indexed by STORED layer and query head (docs/trace-format.md), as capture writes them
-        return layer_attention(self._model_json, layer, list(range(m.n_heads)), m.n_layers,
-                               m.n_heads)
+        return layer_attention(m, layer)
 
     @property
     def is_subset(self) -> bool:
