@@ -132,19 +132,23 @@ def _tokenizer_and_context(model: str) -> tuple[object, int | None]:
     from tracesim.capture import models
     from transformers import AutoConfig, AutoTokenizer
 
-    if model == "smollm2":
-        # the converted checkpoint if it exists, else the GGUF's metadata (never its tensors:
-        # smollm2_checkpoint() would convert, which loads the weights)
-        cached = models.cache_dir() / f"{models.SMOLLM2_ID}-v{models._CONVERSION_VERSION}"
-        if (cached / "config.json").is_file():
+    if model in models.BUILTIN_MODELS:
+        # the converted checkpoint if it exists; else SmolLM2's GGUF metadata (never its
+        # tensors: converting reads the weights). Gemma 3's GGUF must first be assembled from
+        # its chunk packages, so an unconverted gemma3-270m is converted once here.
+        cached = models.converted_checkpoint(model)
+        if cached is not None:
             where: dict = {"pretrained_model_name_or_path": cached}
-        else:
+        elif model == "smollm2":
             gguf = models.smollm2_gguf()
             where = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name}
+        else:
+            where = {"pretrained_model_name_or_path": models.builtin_checkpoint(model)}
     elif Path(model).is_dir():
         where = {"pretrained_model_name_or_path": Path(model)}
     else:
-        raise ValueError(f"--model {model[:200]!r}: is neither 'smollm2' nor a local checkpoint "
+        raise ValueError(f"--model {model[:200]!r}: is neither a built-in model "
+                         f"({', '.join(models.BUILTIN_MODELS)}) nor a local checkpoint "
                          "directory, expected one of the two")
     from tracesim.capture.variants import UnsupportedModel, check_supported
 

