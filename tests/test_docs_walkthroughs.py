@@ -13,16 +13,14 @@ fences (no language) and are not read.
 from __future__ import annotations
 
 import importlib.util
-import re
 import shlex
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.test_readme import MARKERS, ROOT, blocks, commands
+from tests.test_readme import MARKERS, ROOT, blocks, commands, run_documented_command
 from tracesim.app.cli import build_parser
-from tracesim.app.cli import main as cli_main
 
 DOCS = [ROOT / "docs" / name for name in ("replay.md", "sweeps.md", "perstep.md")]
 
@@ -98,16 +96,7 @@ def test_walkthrough_runs_in_an_empty_directory(doc, tmp_path, monkeypatch, caps
         if lang != "sh" or marked:
             continue
         for argv in commands(body):
-            assert argv[0] == "tracesim", f"{doc.name}: {argv[0]!r} is not a tracesim command"
-            code = cli_main(argv[1:])
-            captured = capsys.readouterr()
-            assert code == 0, f"{doc.name}: {shlex.join(argv)} exited {code}: {captured.err}"
-            if "--proxy" in argv:  # what the doc says the summary shows
-                assert "quant:4 (deployable)" in captured.out
-            if any('"exact"' in arg for arg in argv):
-                assert "exact (not deployable)" in captured.out
-            if "--dry-run" in argv:  # the doc's figures are the dry run's (test_readme checks them)
-                assert re.search(r"grid: \d+ configuration", captured.out)
+            run_documented_command(doc.name, argv, capsys)
             ran += 1
     assert ran >= 1
 

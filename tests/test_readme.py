@@ -44,6 +44,21 @@ def commands(body: str) -> list[list[str]]:
     return [argv for line in joined.splitlines() if (argv := shlex.split(line, comments=True))]
 
 
+def run_documented_command(where: str, argv: list[str], capsys) -> None:
+    """Run one ``tracesim`` command of a doc's block; it must exit 0 and print what the docs
+    say its summary shows (the proxy's deployability mark, the dry run's grid line)."""
+    assert argv[0] == "tracesim", f"{where}: {argv[0]!r} is not a tracesim command"
+    code = cli_main(argv[1:])
+    captured = capsys.readouterr()
+    assert code == 0, f"{where}: {shlex.join(argv)} exited {code}: {captured.err}"
+    if "--proxy" in argv:
+        assert "quant:4 (deployable)" in captured.out
+    if any('"exact"' in arg for arg in argv):
+        assert "exact (not deployable)" in captured.out
+    if "--dry-run" in argv:  # the docs' figures are the dry run's (checked below)
+        assert re.search(r"grid: \d+ configuration", captured.out)
+
+
 def test_the_readme_has_runnable_and_marked_blocks():
     found = blocks(README)
     assert any(lang == "sh" and not marked for lang, _, marked in found)
@@ -75,12 +90,7 @@ def test_readme_runs_top_to_bottom_in_an_empty_directory(tmp_path, monkeypatch, 
             continue
         if lang == "sh":
             for argv in commands(body):
-                assert argv[0] == "tracesim", f"README: {argv[0]!r} is not a tracesim command"
-                code = cli_main(argv[1:])
-                captured = capsys.readouterr()
-                assert code == 0, f"README: {shlex.join(argv)} exited {code}: {captured.err}"
-                if "--proxy" in argv:  # what the README says the summary shows
-                    assert "quant:4 (deployable)" in captured.out
+                run_documented_command("README", argv, capsys)
                 ran += 1
         elif lang == "python":
             out = io.StringIO()
