@@ -18,8 +18,9 @@ import re
 import numpy as np
 from tracesim.analysis.claims import INPUT_MISSING, Claim, ClaimResult
 from tracesim.analysis.claims_c8 import c8_claim, check_c8
+from tracesim.analysis.claims_c12 import c12_claim
 from tracesim.analysis.claims_outcomes import c3_claim, c4_claim, c6_claim
-from tracesim.analysis.claims_perstep import c9_claim, c10_claim
+from tracesim.analysis.claims_perstep import c9_claim, c10_claim, c11_claim
 from tracesim.analysis.claims_replay import (
     c0_claim,
     c1_claim,
@@ -63,6 +64,12 @@ BUILTIN_CLAIMS: tuple[Claim, ...] = (
     Claim("C10", c10_claim,
           "violation rate of ‖ô − o‖ ≤ ε‖o‖ per (query head, step), the vAttention "
           "configuration nearest its δ", needs=("peers",)),
+    Claim("C11", c11_claim,
+          "coverage: share of held-out Gemma 3 rows of the per-step Poisson design inside the "
+          "interval"),
+    Claim("C12", c12_claim,
+          "difference in needle accuracy (share correct), Conf-KV − fixed budget at matched "
+          "mean kept tokens", needs=("outcomes",)),
 )
 
 _ID = re.compile(r"C(0|[1-9][0-9]*)")

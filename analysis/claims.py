@@ -35,7 +35,7 @@ class ClaimResult:
     Attributes
     ----------
     claim : str
-        Claim id (``C`` and a number: C0..C10 are built in).
+        Claim id (``C`` and a number: C0..C12 are built in).
     hypothesis : str
     estimate : float
         The primary estimate (coverage, mean difference, AUC difference, ...).

@@ -17,7 +17,7 @@ import pandas as pd
 from tracesim.analysis.claims import ClaimInputs, ClaimResult
 from tracesim.analysis.cluster import one_sided_bounds
 
-__all__ = ["c9_claim", "c10_claim", "evaluate_c9", "evaluate_c10"]
+__all__ = ["c9_claim", "c10_claim", "c11_claim", "evaluate_c9", "evaluate_c10"]
 
 
 def _matches(meta: pd.Series, want: dict) -> bool:
@@ -34,16 +34,25 @@ def _matches(meta: pd.Series, want: dict) -> bool:
     return all(k in checks and checks[k] == v for k, v in want.items())
 
 
-def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
-    """C9 on held-out results: coverage CI against the interval, paired MSE test vs top-k."""
+def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float, claim_id: str = "C9") -> dict:
+    """C9 on held-out results: coverage CI against the interval, paired MSE test vs top-k.
+
+    C11 is the same rule on another model's held-out sequences: ``claim_id`` names the claim in
+    messages, and a ``model_id`` field of the entry keeps only that model's rows.
+    """
     from scipy import stats
 
+    if "model_id" in claim:
+        df = df[df["model_id"] == claim["model_id"]] if "model_id" in df else df.iloc[:0]
+        if df.empty:
+            raise ValueError(f"{claim_id}: no rows of model_id {claim['model_id']!r} in the "
+                             "results")
     first = df.drop_duplicates("config_id")
     pick = {}
     for role in ("primary", "baseline"):
         ids = [r.config_id for _, r in first.iterrows() if _matches(r, claim["compare"][role])]
         if len(ids) != 1:
-            raise ValueError(f"C9: compare.{role} matches {len(ids)} configurations in the "
+            raise ValueError(f"{claim_id}: compare.{role} matches {len(ids)} configurations in the "
                              "results, expected exactly 1")
         pick[role] = ids[0]
     p = df[df.config_id == pick["primary"]]
@@ -55,12 +64,12 @@ def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
     mp = p.groupby("sequence_id")["err2"].mean()
     mb = b.groupby("sequence_id")["err2"].mean()
     if set(mp.index) != set(mb.index):
-        raise ValueError("C9: the primary and baseline configurations cover different "
+        raise ValueError(f"{claim_id}: the primary and baseline configurations cover different "
                          f"sequences ({len(mp)} and {len(mb)}), expected the same for the "
                          "paired test")
     mb = mb.loc[mp.index]
     if not ((mp > 0) & (mb > 0) & np.isfinite(mp) & np.isfinite(mb)).all():
-        raise ValueError("C9: a sequence has a zero or non-finite MSE, expected positive "
+        raise ValueError(f"{claim_id}: a sequence has a zero or non-finite MSE, expected positive "
                          "MSEs for the paired log-ratio test")
     ratio = np.log(mp / mb)
     t = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="less")
@@ -73,10 +82,15 @@ def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float) -> dict:
         verdict = "not supported"
     else:
         verdict = "inconclusive"
-    return {"claim": "C9", "coverage": cov, "ci_90": (lo2, hi2), "ci_95": (lo1, hi1),
+    by_kind = {}
+    if "attention_kind" in p:
+        for kind, g in p.groupby("attention_kind"):
+            by_kind[str(kind)] = float(g["wald_cov"].mean())
+    return {"claim": claim_id, "coverage": cov, "ci_90": (lo2, hi2), "ci_95": (lo1, hi1),
             "sequences": int(p.sequence_id.nunique()), "rows": len(p),
             "mse_ratio_geomean": float(np.exp(ratio.mean())), "mse_p": float(t.pvalue),
-            "verdict": verdict, "primary": pick["primary"], "baseline": pick["baseline"]}
+            "verdict": verdict, "primary": pick["primary"], "baseline": pick["baseline"],
+            "coverage_by_attention_kind": by_kind}
 
 
 def _vattention_label(want: dict) -> str:
@@ -114,20 +128,35 @@ def evaluate_c10(peers: pd.DataFrame, claim: dict, alpha: float) -> dict:
 def c9_claim(inputs: ClaimInputs) -> ClaimResult:
     """C9 as a row of the claims table (``not evaluated`` without per-step rows, or with the
     reason the pre-registered configurations cannot be compared)."""
+    return _perstep_claim(inputs, "C9")
+
+
+def c11_claim(inputs: ClaimInputs) -> ClaimResult:
+    """C11 (C9's rule on held-out Gemma 3 sequences) as a row of the claims table; the detail
+    gives the coverage of sliding and full layers apart (descriptive)."""
+    return _perstep_claim(inputs, "C11")
+
+
+def _perstep_claim(inputs: ClaimInputs, claim_id: str) -> ClaimResult:
     df, prereg = inputs.results, inputs.prereg
-    claim = prereg.claims["C9"]
+    claim = prereg.claims[claim_id]
     if df.empty or "score" not in df or not (df["score"] == "perstep").any():
-        return ClaimResult("C9", claim["hypothesis"], detail="no per-step results given")
+        return ClaimResult(claim_id, claim["hypothesis"], detail="no per-step results given")
     try:
-        r = evaluate_c9(df, claim, prereg.claim_alpha("C9"))
+        r = evaluate_c9(df, claim, prereg.claim_alpha(claim_id), claim_id)
     except ValueError as exc:
-        return ClaimResult("C9", claim["hypothesis"], detail=str(exc))
-    return ClaimResult("C9", claim["hypothesis"], estimate=r["coverage"],
+        return ClaimResult(claim_id, claim["hypothesis"], detail=str(exc))
+    kinds = "".join(f"; {kind} layers cover {cov:.3g}"
+                    for kind, cov in sorted(r["coverage_by_attention_kind"].items())
+                    if len(r["coverage_by_attention_kind"]) > 1)
+    return ClaimResult(claim_id, claim["hypothesis"], estimate=r["coverage"],
                        ci_low=r["ci_90"][0], ci_high=r["ci_90"][1], pvalue=r["mse_p"],
                        verdict=r["verdict"],
                        detail=(f"held-out Wald coverage, 90 % CI by sequence ({r['sequences']} "
                                f"sequences, {r['rows']} rows); MSE / per-query top-k "
-                               f"{r['mse_ratio_geomean']:.3g} (geometric mean over sequences)"))
+                               f"{r['mse_ratio_geomean']:.3g} (geometric mean over sequences)"
+                               f"{kinds}"),
+                       extra={"coverage_by_attention_kind": r["coverage_by_attention_kind"]})
 
 
 def c10_claim(inputs: ClaimInputs) -> ClaimResult:

@@ -147,7 +147,7 @@ def test_prereg_loads_validates_and_guards_its_hash(tmp_path):
 
     src = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
     pre = load_prereg(src)
-    assert set(pre.claims) == {f"C{i}" for i in range(11)}
+    assert set(pre.claims) == {f"C{i}" for i in range(13)}
     assert pre.claims["C1"]["primary_event"] == "wald" and pre.claim_alpha("C2") == 0.05
     assert check_prereg_hash(pre, pre.sha256)
     copy = tmp_path / "prereg.yaml"

@@ -36,12 +36,12 @@ from tracesim.integrity import sign_results
 PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
 
 
-def evaluate_c11(inputs: ClaimInputs) -> ClaimResult:
+def evaluate_c99(inputs: ClaimInputs) -> ClaimResult:
     """Share of correct answers of question-aware SnapKV at the pre-registered budget, with
     cluster-robust one-sided bounds by sequence, against the pre-registered floor."""
-    entry = inputs.prereg.claims["C11"]
-    alpha = inputs.prereg.claim_alpha("C11")
-    res = ClaimResult("C11", entry["hypothesis"])
+    entry = inputs.prereg.claims["C99"]
+    alpha = inputs.prereg.claim_alpha("C99")
+    res = ClaimResult("C99", entry["hypothesis"])
     df = inputs.outcomes
     df = df[(df["score"] == "snapkv") & (df["budget"] == entry["compare"]["budget"])]
     if df.empty:
@@ -57,14 +57,14 @@ def evaluate_c11(inputs: ClaimInputs) -> ClaimResult:
 
 def check_c11(entry: dict, fail) -> None:
     if not 0 <= entry.get("min_accuracy", -1) <= 1:
-        fail("claims.C11.min_accuracy", "expected a number in [0, 1]")
+        fail("claims.C99.min_accuracy", "expected a number in [0, 1]")
 
 
-C11 = Claim("C11", evaluate_c11, "accuracy: share correct, question-aware SnapKV at 50 %",
+C99 = Claim("C99", evaluate_c99, "accuracy: share correct, question-aware SnapKV at 50 %",
             needs=("outcomes",), check=check_c11)
 
-C11_ENTRY = """
-  C11:
+C99_ENTRY = """
+  C99:
     hypothesis: Question-aware SnapKV at 50 % answers at least 30 % of the questions.
     metric: correct
     compare: {score: snapkv, budget: 0.5}
@@ -77,9 +77,9 @@ C11_ENTRY = """
 
 @pytest.fixture
 def c11():
-    register_claim(C11)
-    yield C11
-    unregister_claim("C11")
+    register_claim(C99)
+    yield C99
+    unregister_claim("C99")
 
 
 def _outcomes(root: Path, prereg: Path) -> Path:
@@ -108,47 +108,47 @@ def _outcomes(root: Path, prereg: Path) -> Path:
 
 def test_a_claim_from_outside_is_preregistered_and_evaluated_in_the_report(c11, tmp_path):
     prereg = tmp_path / "prereg.yaml"
-    prereg.write_text(PREREG.read_text() + C11_ENTRY)
-    assert claim_ids()[-1] == "C11" and load_prereg(prereg).claims["C11"]["min_accuracy"] == 0.3
+    prereg.write_text(PREREG.read_text() + C99_ENTRY)
+    assert claim_ids()[-1] == "C99" and load_prereg(prereg).claims["C99"]["min_accuracy"] == 0.3
     outcomes = _outcomes(tmp_path, prereg)
     report = build_report(None, outcomes, prereg_path=prereg)
     by_id = {c.claim: c for c in report.claims}
-    assert [c.claim for c in report.claims] == [f"C{i}" for i in range(12)]
-    assert by_id["C11"].verdict in {SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE}
-    assert 0 < by_id["C11"].estimate <= 1 and by_id["C11"].ci_low <= by_id["C11"].estimate
+    assert [c.claim for c in report.claims] == [f"C{i}" for i in range(13)] + ["C99"]
+    assert by_id["C99"].verdict in {SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE}
+    assert 0 < by_id["C99"].estimate <= 1 and by_id["C99"].ci_low <= by_id["C99"].estimate
     assert by_id["C1"].detail == "no replay results given"  # the built-ins are unchanged
     write_report(report, tmp_path / "report")
     saved = {c["claim"]: c for c in json.loads((tmp_path / "report" / "claims.json").read_text())}
-    assert saved["C11"]["verdict"] == by_id["C11"].verdict
-    assert saved["C11"]["estimate"] == by_id["C11"].estimate
+    assert saved["C99"]["verdict"] == by_id["C99"].verdict
+    assert saved["C99"]["estimate"] == by_id["C99"].estimate
     md = (tmp_path / "report" / "report.md").read_text()
-    assert "| C11 | Question-aware SnapKV at 50 %" in md and C11.units in md
+    assert "| C99 | Question-aware SnapKV at 50 %" in md and C99.units in md
     # Without the input it needs: listed, not evaluated, with the input it lacks.
     bare = build_report(None, None, prereg_path=prereg)
-    assert {c.claim: c for c in bare.claims}["C11"].verdict == NOT_EVALUATED
-    assert {c.claim: c for c in bare.claims}["C11"].detail == "no in-loop outcomes given"
+    assert {c.claim: c for c in bare.claims}["C99"].verdict == NOT_EVALUATED
+    assert {c.claim: c for c in bare.claims}["C99"].detail == "no in-loop outcomes given"
 
 
 def test_a_registered_claim_must_be_preregistered_and_pass_its_own_check(c11, tmp_path):
-    with pytest.raises(ValueError, match=r"missing \['C11'\]"):
+    with pytest.raises(ValueError, match=r"missing \['C99'\]"):
         load_prereg(PREREG)
     bad = tmp_path / "bad.yaml"
-    bad.write_text(PREREG.read_text() + C11_ENTRY.replace("min_accuracy: 0.3",
+    bad.write_text(PREREG.read_text() + C99_ENTRY.replace("min_accuracy: 0.3",
                                                           "min_accuracy: 3"))
-    with pytest.raises(ValueError, match="claims.C11.min_accuracy"):
+    with pytest.raises(ValueError, match="claims.C99.min_accuracy"):
         load_prereg(bad)
 
 
 def test_the_registry_refuses_clashes_and_keeps_the_builtins():
-    assert [c.id for c in registered_claims()] == [f"C{i}" for i in range(11)]
+    assert [c.id for c in registered_claims()] == [f"C{i}" for i in range(13)]
     assert all(c.units for c in BUILTIN_CLAIMS)  # every claim says what its estimate measures
     with pytest.raises(ValueError, match="already registered"):
         register_claim(BUILTIN_CLAIMS[1])
     with pytest.raises(ValueError, match="C and a number"):
-        register_claim(Claim("X1", evaluate_c11, "x"))
+        register_claim(Claim("X1", evaluate_c99, "x"))
     with pytest.raises(ValueError, match="needs"):
-        register_claim(Claim("C12", evaluate_c11, "x", needs=("traces",)))
+        register_claim(Claim("C98", evaluate_c99, "x", needs=("traces",)))
     with pytest.raises(ValueError, match="built in"):
         unregister_claim("C1")
-    assert claim_ids() == [f"C{i}" for i in range(11)]
+    assert claim_ids() == [f"C{i}" for i in range(13)]
     load_prereg(PREREG)  # the shipped file pre-registers exactly the built-in claims

@@ -44,17 +44,17 @@ DEMO_FETCH = Scheduler("demo_fetch", priority, reference, needs_bound=True)
 
 
 def evaluate(inputs):
-    res = ClaimResult("C11", inputs.prereg.claims["C11"]["hypothesis"])
+    res = ClaimResult("C99", inputs.prereg.claims["C99"]["hypothesis"])
     res.estimate = float(len(inputs.results)) * SCALE
     res.detail = "rows counted"
     return res
 
 
-C11 = Claim("C11", evaluate, "rows of the results", needs=("results",))
+C99 = Claim("C99", evaluate, "rows of the results", needs=("results",))
 '''
 
-C11_ENTRY = """
-  C11:
+C99_ENTRY = """
+  C99:
     hypothesis: The results have rows.
     metric: rows
     compare: {score: snapkv}
@@ -67,13 +67,13 @@ C11_ENTRY = """
 def _write(root: Path, scale: str) -> None:
     write_dist(root, DIST, VERSION, PKG, PLUGIN_SOURCE.replace("SCALE_VALUE", scale),
                {"tracesim.schedulers": {"demo_fetch": f"{PKG}:DEMO_FETCH"},
-                "tracesim.claims": {"C11": f"{PKG}:C11"}})
+                "tracesim.claims": {"C99": f"{PKG}:C99"}})
 
 
 def _forget() -> None:
     """Drop what this process loaded from the plugin (other tests never see it)."""
     sys.modules.pop(PKG, None)
-    for reg, name in ((SCHEDULER_REGISTRY, "demo_fetch"), (CLAIM_REGISTRY, "C11")):
+    for reg, name in ((SCHEDULER_REGISTRY, "demo_fetch"), (CLAIM_REGISTRY, "C99")):
         reg._loaded.pop(name, None)
         reg.loaded_hash.pop(name, None)
 
@@ -142,18 +142,18 @@ def test_plugin_claim_from_the_cli_and_seen_by_two_dask_workers(installed, tmp_p
     from tracesim.plugins import provenance
 
     prereg = tmp_path / "prereg.yaml"
-    prereg.write_text(PREREG.read_text() + C11_ENTRY)
+    prereg.write_text(PREREG.read_text() + C99_ENTRY)
     results = _results(tmp_path, prereg)
     # installed but not pre-registered: refused, one line naming the claim
     assert main(["report", str(results), "--out", str(tmp_path / "r0")]) == 2
     assert main(["report", str(results), "--prereg", str(prereg), "--out",
                  str(tmp_path / "r")]) == 0
     saved = {c["claim"]: c for c in json.loads((tmp_path / "r" / "claims.json").read_text())}
-    assert saved["C11"]["estimate"] == pq.read_metadata(results / "results.parquet").num_rows
-    plugin = saved["C11"]["extra"]["plugin"]
+    assert saved["C99"]["estimate"] == pq.read_metadata(results / "results.parquet").num_rows
+    plugin = saved["C99"]["extra"]["plugin"]
     assert plugin["distribution"] == DIST and plugin["version"] == VERSION
     assert plugin["source"] == "entry_point"
-    assert plugin["source_hash"] == provenance("claim", "C11")["source_hash"]
+    assert plugin["source_hash"] == provenance("claim", "C99")["source_hash"]
     assert "extra" not in saved["C2"] or "plugin" not in saved["C2"]["extra"]
 
     def seen() -> tuple[list[str], str, bool]:
@@ -162,7 +162,7 @@ def test_plugin_claim_from_the_cli_and_seen_by_two_dask_workers(installed, tmp_p
         from tracesim.plugins import provenance
         from tracesim.tiers.schedulers import get_scheduler
 
-        return (claim_ids(), provenance("claim", "C11")["source_hash"],
+        return (claim_ids(), provenance("claim", "C99")["source_hash"],
                 get_scheduler("demo_fetch").in_loop)
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
@@ -170,7 +170,7 @@ def test_plugin_claim_from_the_cli_and_seen_by_two_dask_workers(installed, tmp_p
         answers = client.run(seen)
     assert len(answers) == 2
     for ids, digest, in_loop in answers.values():
-        assert ids == claim_ids() and ids[-1] == "C11"
+        assert ids == claim_ids() and ids[-1] == "C99"
         assert digest == plugin["source_hash"] and in_loop
 
 

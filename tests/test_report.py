@@ -70,7 +70,7 @@ def inputs(tmp_path_factory):
 def test_report_has_a_verdict_for_every_claim_and_a_viewable_html(inputs, tmp_path):
     _, store, results, outcomes = inputs
     report = build_report(results, outcomes, prereg_path=PREREG, traces_dir=store)
-    assert [c.claim for c in report.claims] == [f"C{i}" for i in range(11)]
+    assert [c.claim for c in report.claims] == [f"C{i}" for i in range(13)]
     assert all(c.verdict in VERDICTS for c in report.claims)
     by_id = {c.claim: c for c in report.claims}
     assert by_id["C0"].verdict == SUPPORTED
