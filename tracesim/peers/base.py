@@ -76,16 +76,26 @@ class StepInput:
     Attributes
     ----------
     layer, head, kv_head, step : int
-        ``step`` is the query's position ``t``; the cache holds ``[0, t]`` (the current token
-        included, as every reference appends it before attending).
+        ``step`` is the query's position ``t``; the layer holds ``[start, t]`` (the current
+        token included, as every reference appends it before attending): ``start = 0`` on a
+        full layer, ``max(0, t - w + 1)`` on a sliding layer of window ``w``.
     prompt_length : int
     query : ndarray, shape (d,)
-    keys, values : ndarray, shape (t + 1, d)
+    keys, values : ndarray, shape (n, d)
+        The ``n = t + 1 - start`` positions the layer holds; index ``i`` is position
+        ``start + i``.
     scale : float
-    logits : ndarray, shape (t + 1,)
-        Exact ``q . k * scale`` (float64).
+    logits : ndarray, shape (n,)
+        Exact logits ``q . k * scale``, soft-capped when the layer is (float64).
     truth : ndarray, shape (d,)
-        The full-cache output.
+        The full-cache output of the layer's rule (window, soft-cap, sink).
+    start : int
+        Position of ``keys[0]`` (0 on a full layer).
+    softcap : float or None
+        The layer's logit soft-cap ``c`` (``logits`` are already capped; estimators recompute
+        logits with it).
+    sink : float or None
+        The head's learned sink logit: a take-all denominator term with zero value.
     """
 
     layer: int
@@ -99,6 +109,18 @@ class StepInput:
     scale: float
     logits: np.ndarray
     truth: np.ndarray
+    start: int = 0
+    softcap: float | None = None
+    sink: float | None = None
+
+    @property
+    def n(self) -> int:
+        """Positions the layer holds at this step (the peers' ``N``)."""
+        return int(self.logits.size)
+
+    def sink_weight(self, top: float) -> float:
+        """``exp(sink - top)``, the sink's denominator term relative to ``top`` (0: none)."""
+        return 0.0 if self.sink is None else float(np.exp(self.sink - top))
 
 
 def hajek_step_metrics(x: StepInput, pi: np.ndarray, kept: np.ndarray, z: float,
@@ -110,7 +132,8 @@ def hajek_step_metrics(x: StepInput, pi: np.ndarray, kept: np.ndarray, z: float,
     (vAttention's); its variance is then not a certificate and is not reported.
     """
     est = hajek_attention(x.query, x.keys, x.values, pi, kept, scale=x.scale,
-                          correction=correction, variance="diag", logit_offset=logit_offset)
+                          correction=correction, variance="diag", logit_offset=logit_offset,
+                          softcap=x.softcap, sink=x.sink)
     err = est.estimate - x.truth
     out = {"err2": float(err @ err), "estimate": est.estimate,
            "tail_size": int(est.tail_size), "n_eff": float(est.n_eff)}
@@ -147,8 +170,9 @@ class Peer:
         raise NotImplementedError
 
     def prepare(self, layer: int, kv_head: int, keys: np.ndarray, prompt_length: int,
-                seed: int) -> object:
-        """Per (layer, KV head, seed) state built once for every step (default: none)."""
+                seed: int, window: int | None = None) -> object:
+        """Per (layer, KV head, seed) state built once for every step (default: none);
+        ``keys`` are every stored position's, ``window`` the layer's sliding window."""
         return None
 
     def step(self, x: StepInput, state: object, seed: int, z: float) -> dict:
@@ -158,6 +182,7 @@ class Peer:
     def attend(self, x: StepInput, state: object, seed: int, z: float
                ) -> tuple[dict, np.ndarray, np.ndarray]:
         """:meth:`step`'s row, the peer's own attention output (shape (d,)) and the tokens it
-        attends (bool, shape (t + 1,)): what the in-loop run enforces
+        attends (bool, shape (n,): the positions the layer holds, ``[start, t]``): what the
+        in-loop run enforces
         (``tracesim.capture.inloop.peers``)."""
         raise NotImplementedError

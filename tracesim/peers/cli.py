@@ -64,7 +64,6 @@ def run_peers(args: argparse.Namespace) -> int:
     from tracesim.peers import make_peer, replay_peers
     from tracesim.safeio import loads_json
     from tracesim.store import StoreError, open_store
-    from tracesim.store.attention import refuse_attention_variants
 
     try:
         from tracesim.counts import TIERS_SEEDS
@@ -85,7 +84,6 @@ def run_peers(args: argparse.Namespace) -> int:
             raise ValueError("--peer: expected at least one peer")
         store = open_store(args.traces, require_rows=True)
         layers = _layers(args.layers, store.model.n_layers)
-        refuse_attention_variants(store, layers, "tracesim peers")
         if (out / "peers.parquet").exists() and not args.overwrite:
             raise ValueError(f"{out / 'peers.parquet'} exists; expected a new --out or "
                              "--overwrite")

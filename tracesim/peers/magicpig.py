@@ -22,6 +22,13 @@ Differences: the hyperplanes come from tracesim's permanent uniforms (stream 2, 
 CDF) instead of ``torch.randn``; float64 throughout; every layer is sparse (the reference keeps
 layers 0, 16, 32, 48 dense; replay those layers only if you want its exact set).
 
+Attention variants (``docs/peers.md``, "Attention variants"): on a sliding layer of window
+``w`` the prefill's cache holds ``[max(0, P - w), P)``, and the sampled range and its centring
+mean are taken within it (its first ``sinks`` positions dense); at step ``t`` the layer holds
+``(t - w, t]``, whose first ``sinks`` positions are dense, and only the hashed keys still in it
+can be used. The hash and ``u`` read raw ``q . k`` angles, as in the reference; soft-capped
+logits and a sink (a take-all denominator term with value zero) enter the softmax only.
+
 The used set is not a Poisson sample: one shared hash decides every key, so inclusions are
 correlated across keys and steps. tracesim's certificate is computed as if they were Poisson
 with ``pi = min(1, u + 1e-4)`` (the weights MagicPIG divides by); how far that is off is
@@ -129,10 +136,15 @@ class MagicPIG(Peer):
         return (f"magicpig(K={self.bits},L={self.tables},sinks={self.sinks},"
                 f"local={self.local},collisions={self.min_collisions}{extra})")
 
-    def prepare(self, layer, kv_head, keys, prompt_length, seed):
+    def prepare(self, layer, kv_head, keys, prompt_length, seed, window=None):
         """Centring mean, and per replicate the hyperplanes and the codes of the sampled
-        range: ``(lo, hi, mu, ((W, codes), ...), centred key norms)``."""
-        lo, hi = self.sinks, max(self.sinks, prompt_length - self.local)
+        range: ``(lo, hi, mu, ((W, codes), ...), centred key norms)``, positions ``[lo, hi)``.
+
+        On a sliding layer the prefill's cache holds ``[max(0, P - w), P)``: the range is
+        hashed and centred within it (``docs/peers.md``, "Attention variants")."""
+        held = 0 if window is None else max(0, prompt_length - int(window))
+        lo = held + self.sinks
+        hi = max(lo, prompt_length - self.local)
         mu = keys[lo:hi].mean(axis=0) if hi > lo else np.zeros(keys.shape[1])
         kc = keys[lo:hi] - mu
         hashes = []
@@ -154,15 +166,21 @@ class MagicPIG(Peer):
         certificate (``cert2``, ``wald_cov``); ``kept_tokens`` = ``rows_read`` = the attended
         tokens. With ``R >= 2`` see :meth:`_replicate_row`.
         """
-        lo, hi, mu, hashes, knorm = state
-        n = x.step + 1
+        lo0, hi0, mu, hashes, knorm = state
+        n = x.n
+        # what the layer holds now: the hashed range less the window's first `sinks` positions
+        # (dense) and what slid out of the window; indices below are relative to x.start
+        cut = max(0, x.start + self.sinks - lo0)
+        lo, hi = max(0, lo0 + cut - x.start), max(0, hi0 - x.start)
+        hi = max(lo, hi)
         used_sets = []
         for W, codes in hashes:
             qcode = self._codes((x.query @ W)[None])[0]
-            matches = (codes == qcode[None]).all(axis=2).sum(axis=1)
+            matches = (codes[cut:cut + hi - lo] == qcode[None]).all(axis=2).sum(axis=1)
             used_sets.append(matches >= self.min_collisions)
         kc = x.keys[lo:hi] - mu
-        cos = (kc @ x.query) / np.maximum(knorm * np.linalg.norm(x.query), 1e-300)
+        cos = (kc @ x.query) / np.maximum(knorm[cut:cut + hi - lo] * np.linalg.norm(x.query),
+                                          1e-300)
         u = collision_probability(cos, self.bits, self.tables, self.min_collisions)
         pi = np.ones(n)
         pi[lo:hi] = np.minimum(1.0, u + 1e-4)  # the weights the reference divides by
@@ -197,7 +215,7 @@ class MagicPIG(Peer):
         - ``tail_size``, ``n_eff``: means over replicates.
         """
         R = len(used_sets)
-        n = x.step + 1
+        n = x.n
         estimates, variances, tails, n_effs, rows_read = [], [], [], [], 0
         any_tail = False
         union = np.zeros(hi - lo, dtype=bool)
@@ -205,7 +223,8 @@ class MagicPIG(Peer):
             kept = np.ones(n, dtype=bool)
             kept[lo:hi] = used
             est = hajek_attention(x.query, x.keys, x.values, pi, kept, scale=x.scale,
-                                  correction=True, variance="diag")
+                                  correction=True, variance="diag", softcap=x.softcap,
+                                  sink=x.sink)
             estimates.append(est.estimate)
             variances.append(est.variance_diag)
             tails.append(float(est.tail_size))

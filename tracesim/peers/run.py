@@ -27,17 +27,27 @@ PEER_COLUMNS = ("err2", "rel_err", "truth_norm", "cert2", "wald_cov", "hajek_err
 
 
 def step_inputs(trace, head: int, qi: int) -> StepInput:
-    """The :class:`StepInput` of stored query ``qi`` of ``head`` (float64, exact truth)."""
+    """The :class:`StepInput` of stored query ``qi`` of ``head`` (float64, exact truth).
+
+    What the layer holds at the step: ``[0, t]``, or the window ``(t - w, t]`` of a sliding
+    layer; the logits are soft-capped when the layer is, and the truth divides by the head's
+    sink term too (:func:`tracesim.attention_rule.attention_outputs`'s rule).
+    """
     t = int(trace.query_positions[qi])
     g = head // trace.group_size
-    keys, values = trace.keys[g, :t + 1], trace.values[g, :t + 1]
+    lo = int(trace.window_start(t))
+    keys, values = trace.keys[g, lo:t + 1], trace.values[g, lo:t + 1]
     q = trace.queries[head, qi]
-    s = keys @ q * trace.scale
-    w = np.exp(s - s.max())
-    truth = (w @ values) / w.sum()
+    s = trace.logits(keys @ q)
+    sink = trace.sink(head)
+    top = float(s.max()) if sink is None else max(float(s.max()), sink)
+    w = np.exp(s - top)
+    den = w.sum() + (0.0 if sink is None else float(np.exp(sink - top)))
+    truth = (w @ values) / den
     return StepInput(layer=trace.layer, head=head, kv_head=g, step=t,
                      prompt_length=trace.prompt_length, query=q, keys=keys, values=values,
-                     scale=float(trace.scale), logits=s, truth=truth)
+                     scale=float(trace.scale), logits=s, truth=truth, start=lo,
+                     softcap=trace.softcap, sink=sink)
 
 
 def replay_peers(store, peers: Sequence[Peer], seeds: Iterable[int], *,
@@ -61,14 +71,11 @@ def replay_peers(store, peers: Sequence[Peer], seeds: Iterable[int], *,
         seq = store[sid]
         for layer in (layers if layers is not None else range(store.model.n_layers)):
             trace = load_layer(store, seq, int(layer))
-            if not trace.is_plain:  # callers other than the CLI, which refuses up front
-                raise ValueError(f"layer {trace.layer}: peers do not model sliding windows, "
-                                 "soft-caps or sinks yet, expected a full, plain layer")
             qidx = evaluated_queries(trace, ("decode",))
             for peer in peers:
                 for seed in (seeds if peer.randomized else seeds[:1]):
                     states = {g: peer.prepare(trace.layer, g, trace.keys[g],
-                                              trace.prompt_length, seed)
+                                              trace.prompt_length, seed, trace.window)
                               for g in range(trace.n_kv_heads)}
                     for h in range(trace.n_heads):
                         for qi in qidx:

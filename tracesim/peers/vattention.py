@@ -22,6 +22,14 @@ head at one decode step over ``N = t + 1`` keys (the current one included):
    discarded); each distinct drawn position not in the deterministic part gets weight ``R / b``;
    the estimate is ``sum w e v / sum w e`` over the selected positions.
 
+**Attention variants** (``docs/peers.md``, "Attention variants"). On a sliding layer the ``N``
+keys are the window ``(t - w, t]`` the layer holds, so the sinks are the window's oldest
+``sinks`` positions and every size is a share of the window. Soft-capped logits replace ``s``
+everywhere (the top-k, ``e``, the estimate). A learned sink is a take-all term of the
+denominator with value zero: ``e_sink = exp(sink - top)`` (``top`` the largest of the logits and
+the sink) is added to ``D``, ``D_hat`` and ``D_b`` and to the estimate's denominator, and is not
+a key: it is not in the range, the draws or ``sigma``.
+
 The guarantee whose violation rate is measured: ``|o_hat - o| <= epsilon |o|`` at the nominal
 ``delta``, and the denominator statement the code's rule targets, ``|D_b - D| <= epsilon D``.
 
@@ -110,7 +118,8 @@ class VAttention(Peer):
                 f"base_rate={self.base_rate:g},epsilon={self.epsilon:g},delta={self.delta:g})")
 
     def deterministic(self, x: StepInput) -> np.ndarray:
-        n = x.step + 1
+        """The deterministic part over the ``n`` positions the layer holds (bool, (n,))."""
+        n = x.n
         det = np.zeros(n, dtype=bool)
         det[:min(self.sinks, n)] = True
         det[max(0, n - self.local):] = True
@@ -122,12 +131,15 @@ class VAttention(Peer):
         return det
 
     def attend(self, x: StepInput, state, seed: int, z: float):
-        n = x.step + 1
+        n = x.n
         det = self.deterministic(x)
         start, end = self.sinks, n - self.local
         R = end - start
-        e = np.exp(x.logits - x.logits.max())
-        D = float(e.sum())
+        # relative to the largest logit or sink; a sink is a take-all term of D (value zero)
+        top = float(x.logits.max()) if x.sink is None else max(float(x.logits.max()), x.sink)
+        e = np.exp(x.logits - top)
+        e_sink = x.sink_weight(top)
+        D = float(e.sum()) + e_sink
         # the hub's full-attention switches: its sink, local and top-k maskers, then R < 2
         if R < 2 or n <= effective_size(self.heavy, n):
             kept = np.ones(n, dtype=bool)
@@ -138,7 +150,7 @@ class VAttention(Peer):
         n_base = max(2, int(self.base_rate * R))
         ub = peer_uniforms(seed, x.layer, x.head, x.step, PURPOSE_VATT_BASE, n_base)
         base = start + np.minimum((ub * R).astype(np.int64), R - 1)
-        d_hat = float(e[det].sum() + R / n_base * e[np.unique(base)].sum())
+        d_hat = float(e[det].sum() + R / n_base * e[np.unique(base)].sum()) + e_sink
         b = vattention_budget(e[base], d_hat, R, self.epsilon, self.delta, n_base)
         uf = peer_uniforms(seed, x.layer, x.head, x.step, PURPOSE_VATT_FINAL, b)
         drawn = np.unique(start + np.minimum((uf * R).astype(np.int64), R - 1))
@@ -154,7 +166,7 @@ class VAttention(Peer):
         pi[start:end] = np.where(det[start:end], 1.0, 1.0 - (1.0 - 1.0 / R) ** b)
         ours = hajek_step_metrics(x, pi, kept, z)
         truth_norm = float(np.linalg.norm(x.truth))
-        d_b = float((e * np.where(sampled, R / b, np.where(det, 1.0, 0.0))).sum())
+        d_b = float((e * np.where(sampled, R / b, np.where(det, 1.0, 0.0))).sum()) + e_sink
         row = {"err2": own["err2"], "cert2": ours["cert2"], "wald_cov": ours["wald_cov"],
               "hajek_err2": ours["err2"], "tail_size": ours["tail_size"],
               "n_eff": ours["n_eff"], "kept_tokens": int(kept.sum()),
