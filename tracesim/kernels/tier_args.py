@@ -26,9 +26,16 @@ class Attention(NamedTuple):
     Q : ndarray of float64, C-contiguous, shape (H, NQ, d)
         The evaluated decode queries (query head ``h`` reads KV head ``h // G``).
     qpos : ndarray of int64, shape (NQ,)
-        Their positions ``t`` (the step sees positions ``0..t``).
+        Their positions ``t`` (the step sees positions ``0..t``, or its window).
     scale : float
         Softmax scale.
+    softcap : float
+        ``c > 0``: logits ``c * tanh(scale * q . k / c)`` (Gemma 2); 0: none.
+    window : int
+        ``w > 0``: a sliding layer, the step at ``t`` attends and holds ``(t - w, t]``; 0: full.
+    sinks : ndarray of float64, shape (H,)
+        Learned sink logits (gpt-oss), a take-all denominator term with value zero; ``-inf``
+        for none.
     """
 
     K: np.ndarray
@@ -36,6 +43,9 @@ class Attention(NamedTuple):
     Q: np.ndarray
     qpos: np.ndarray
     scale: float
+    softcap: float = 0.0
+    window: int = 0
+    sinks: np.ndarray | None = None
 
 
 class Inclusion(NamedTuple):

@@ -59,20 +59,26 @@ SERIAL_BELOW = 1 << 22
 
 
 @nb.njit(cache=True, fastmath={"reassoc", "contract"})
-def _logits(Kg, qv, n, scale, out, smax):
-    """``out[i, h] = scale * Kg[i] . qv[h]`` for ``i < n``; ``smax[h]`` their maximum.
+def _logits(Kg, qv, lo, n, scale, softcap, out, smax):
+    """``out[i, h] = scale * Kg[i] . qv[h]`` (soft-capped when ``softcap > 0``) for
+    ``lo <= i < n``, 0 below ``lo``; ``smax[h]`` their maximum.
 
     Only the dot products are reassociated (vectorised); no infinities are involved.
     """
     G, d = qv.shape
-    for i in range(n):
+    for i in range(lo):
+        for h in range(G):
+            out[i, h] = 0.0
+    for i in range(lo, n):
         for h in range(G):
             acc = 0.0
             for k in range(d):
                 acc += Kg[i, k] * qv[h, k]
             s = acc * scale
+            if softcap > 0.0:
+                s = softcap * np.tanh(s / softcap)
             out[i, h] = s
-            if i == 0 or s > smax[h]:
+            if i == lo or s > smax[h]:
                 smax[h] = s
 
 
@@ -90,8 +96,9 @@ def _n_le(arr, n, x):
 
 
 @nb.njit(cache=True)
-def _value_pass(e_g, Vg, n, kept_g, pi_g, hajek, page, slot_g, p0, acc, accd, pd):
-    """One pass over the values of positions ``< n``; returns the number of kept tokens.
+def _value_pass(e_g, Vg, lo, n, kept_g, pi_g, hajek, page, slot_g, p0, acc, accd, pd):
+    """One pass over the values of positions ``[lo, n)`` (what the layer holds); returns the
+    number of kept tokens among them.
 
     ``acc[c, h] += e[i, h] v_i`` and ``accd[c, h] += e[i, h]`` over the tokens of class ``c``:
     0 kept with ``pi = 1``, 1 kept with ``pi < 1`` (sampled), 2 evicted; with ``hajek``,
@@ -100,7 +107,7 @@ def _value_pass(e_g, Vg, n, kept_g, pi_g, hajek, page, slot_g, p0, acc, accd, pd
     """
     G, d = e_g.shape[1], Vg.shape[1]
     m = 0
-    for i in range(n):
+    for i in range(lo, n):
         if kept_g[i]:
             m += 1
             c = 0
@@ -158,7 +165,7 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
     ``plugin`` is the callback of the run's registered rules
     (:func:`tracesim.kernels.tier_priorities.plugin_priority`).
     """
-    K, V, Q, qpos, scale = att
+    K, V, Q, qpos, scale, softcap, window, sinks = att
     pi, kept, hajek, certified, tail_off, tail_pos = inc
     (pg_off, pg_first, pg_count, pg_kmin, pg_kmax, pg_vcen, pg_vrad, pg_bytes, pg_tier,
      block_slot, page) = pages
@@ -172,6 +179,10 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
     NS, NB = codes.size, budgets.size
     t = qpos[a]
     n = t + 1
+    # a sliding layer holds (t - w, t]; its pages behind the window (every position < lo) are
+    # freed, a page straddling the window start stays whole
+    lo = max(0, t - window + 1) if window > 0 else 0
+    first_held = lo // page * page
     e = np.empty((n_kv, n, G))
     etot = np.zeros((n_kv, G))
     o = np.zeros((n_kv, G, d))             # full-cache numerators, then outputs
@@ -183,6 +194,8 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
     bterm = np.zeros(NP)
     orc = np.zeros(NP)
     nvis = np.zeros(n_kv, np.int64)
+    nfree = np.zeros(n_kv, np.int64)       # pages wholly behind the window, per head
+    zs = np.zeros(G)                       # the sink's denominator term per head of the group
     head_of = np.empty(NP, np.int64)
     qv = np.empty((G, d))
     smax = np.empty(G)
@@ -201,24 +214,34 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
         while p0 + nv < p1 and pg_first[p0 + nv] <= t:
             nv += 1
         nvis[g] = nv
+        nf = 0
+        while nf < nv and pg_first[p0 + nf] < first_held:
+            nf += 1
+        nfree[g] = nf
         for h in range(G):
             for k in range(d):
                 qv[h, k] = Q[g * G + h, a, k]
         e_g = e[g]
-        _logits(K[g], qv, n, scale, e_g, smax)
-        for i in range(n):
+        _logits(K[g], qv, lo, n, scale, softcap, e_g, smax)
+        for h in range(G):
+            zs[h] = 0.0
+            if sinks[g * G + h] > -np.inf:
+                smax[h] = max(smax[h], sinks[g * G + h])
+                zs[h] = np.exp(sinks[g * G + h] - smax[h])
+        for i in range(lo, n):
             for h in range(G):
                 e_g[i, h] = np.exp(e_g[i, h] - smax[h])
         Vg = V[g]
         acc[:] = 0.0
         accd[:] = 0.0
-        ktok += _value_pass(e_g, Vg, n, kept[g], pi[g], hajek, page, block_slot[g], p0, acc,
-                            accd, pd)
+        ktok += _value_pass(e_g, Vg, lo, n, kept[g], pi[g], hajek, page, block_slot[g], p0,
+                            acc, accd, pd)
         wb = 3 if hajek else 1                # the sampled tokens' class in the estimate
         for h in range(G):
-            etot[g, h] = accd[0, h] + accd[1, h] + accd[2, h]
-            er[h] = accd[0, h] + accd[1, h]
-            bden[g, h] = accd[0, h] + accd[wb, h]
+            # the sink is a take-all term with value zero: every denominator, no numerator
+            etot[g, h] = accd[0, h] + accd[1, h] + accd[2, h] + zs[h]
+            er[h] = accd[0, h] + accd[1, h] + zs[h]
+            bden[g, h] = accd[0, h] + accd[wb, h] + zs[h]
             for k in range(d):
                 o[g, h, k] = acc[0, h, k] + acc[1, h, k] + acc[2, h, k]
                 rnum[h, k] = acc[0, h, k] + acc[1, h, k]
@@ -237,6 +260,8 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
             i = tail_pos[j]
             if i > t:
                 break
+            if i < lo:
+                continue
             pv = pi[g, i]
             inv = 1.0 / pv if hajek else 1.0
             b = block_slot[g, i // page]
@@ -260,7 +285,7 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
             cert[g * G + h, a] = c2h[h]
             c2[g] += c2h[h]
         ev_b = 0.0
-        for p in range(p0, p0 + nv):
+        for p in range(p0 + nf, p0 + nv):
             ev_b += pg_bytes[p]
         evicted[g, a] = ev_b
         for p in range(p0, p1):
@@ -272,13 +297,16 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
             for h in range(G):
                 for k in range(d):
                     rnum[h, k] /= er[h]
-            for p in range(p0, p0 + nv):
+            for p in range(p0 + nf, p0 + nv):
                 bt = 0.0
                 for h in range(G):
                     top = 0.0
                     for k in range(d):
                         top += max(pg_kmin[p, k] * qv[h, k], pg_kmax[p, k] * qv[h, k])
-                    u = scale * top - smax[h]
+                    u = scale * top
+                    if softcap > 0.0:  # the cap is increasing: it caps the bound too
+                        u = softcap * np.tanh(u / softcap)
+                    u -= smax[h]
                     r2 = 0.0
                     for k in range(d):
                         x = pg_vcen[p, k] - rnum[h, k]
@@ -292,16 +320,20 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
     cand = np.empty(NP, np.int64)
     nc = 0
     for g in range(n_kv):
-        for p in range(pg_off[g], pg_off[g] + nvis[g]):
+        for p in range(pg_off[g] + nfree[g], pg_off[g] + nvis[g]):
             cand[nc] = p
             nc += 1
     total = 0.0
-    for p in range(NP):
-        total += pg_bytes[p]
+    if window > 0:  # what the sliding layer holds in its lower tiers now
+        for c in range(nc):
+            total += pg_bytes[cand[c]]
+    else:
+        for p in range(NP):
+            total += pg_bytes[p]
     npages = np.empty(n_kv, np.int64)
     btot = np.zeros(n_kv)
     for g in range(n_kv):
-        npages[g] = pg_off[g + 1] - pg_off[g]
+        npages[g] = (nvis[g] - nfree[g]) if window > 0 else pg_off[g + 1] - pg_off[g]
         for p in range(pg_off[g], pg_off[g + 1]):
             btot[g] += bterm[p]
     # Layer totals of the page certificate terms and page bounds (certificate_bound).
@@ -393,8 +425,8 @@ def tiers_step(a, att, inc, pages, schedule, out, plugin):
                 g = head_of[p]
                 if not done[g]:
                     start = pg_first[p] // page * page
-                    _add_page(V[g], e[g], kept[g], pi[g], hajek, start, min(start + page, n),
-                              accn[g], accd[g])
+                    _add_page(V[g], e[g], kept[g], pi[g], hajek, max(start, lo),
+                              min(start + page, n), accn[g], accd[g])
                 ptr_sum += 1
             for g in range(n_kv):
                 for h in range(G):
@@ -470,8 +502,11 @@ def tiers_layer(att: Attention, inc: Inclusion, pages: Pages, schedule: Schedule
     work = int(np.sum(att.qpos + 1)) * H * d
     # one step (the in-loop fetch) has nothing to run in parallel
     fn = _layer_serial if work < SERIAL_BELOW or NQ == 1 else _layer_parallel
+    sinks = np.full(H, -np.inf) if att.sinks is None else att.sinks
     att = att._replace(qpos=np.ascontiguousarray(att.qpos, dtype=np.int64),
-                       scale=float(att.scale))
+                       scale=float(att.scale), softcap=float(att.softcap or 0.0),
+                       window=int(att.window or 0),
+                       sinks=np.ascontiguousarray(sinks, dtype=np.float64))
     inc = inc._replace(hajek=bool(inc.hajek), certified=bool(inc.certified))
     pages = pages._replace(page=int(pages.page))
     schedule = schedule._replace(need_bound=bool(schedule.need_bound),

@@ -75,12 +75,6 @@ def run_tiers_command(args: argparse.Namespace) -> int:
         store = open_store(store_path, require_rows=True)
     except (OSError, ValueError) as exc:
         return _fail(f"{store_path}: cannot open the trace store ({exc})")
-    from tracesim.store.attention import refuse_attention_variants
-
-    try:
-        refuse_attention_variants(store, spec.layers, "tracesim tiers")
-    except ValueError as exc:
-        return _fail(str(exc))
     try:
         summary = run_tiers(spec, store, out, backend=args.backend, workers=args.workers,
                             scheduler=args.scheduler,

@@ -24,6 +24,7 @@ from tracesim.tiers.schedulers import (
 from tracesim.tiers.simulate import (
     SUMS,
     layer_memory_model,
+    never_held,
     prepare_inputs,
     step_logprobs,
     to_columns,
@@ -73,14 +74,18 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
     err_before, cert, err_after, kv_bytes, kv_pages, evicted, fetch_s, stall_s, tier_bytes = (
         sums[k] for k in SUMS)
 
+    sliding = trace.window is not None
+    never = never_held(trace, qpos, memory.page)
     for seed in seeds:
         pi, kept = event_inclusion(trace, policy, int(seed), n_layers)
-        heads = [_HeadPages(trace, g, ~kept[g], memory.page, tb) for g in range(n_kv)]
+        heads = [_HeadPages(trace, g, ~(kept[g] | never), memory.page, tb) for g in range(n_kv)]
         all_bytes = np.concatenate([hp.bytes for hp in heads])
         tier = layer_memory.placement(all_bytes)
         offsets = np.cumsum([0] + [hp.bytes.size for hp in heads])
         for a, qi in enumerate(qidx):
             t = int(qpos[a])
+            lo = int(trace.window_start(t))          # what a sliding layer holds: [lo, t]
+            first_held = lo // memory.page * memory.page
             # the schedulers' inputs (PageInputs), page by page over the layer
             uniform_all, oracle_all = np.zeros(all_bytes.size), np.zeros(all_bytes.size)
             pc_all, b_all = np.zeros(all_bytes.size), np.zeros(all_bytes.size)
@@ -93,16 +98,22 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                 hs = slice(g * G, (g + 1) * G)
                 K, V = trace.keys[g, :t + 1], trace.values[g, :t + 1]
                 Q = trace.queries[hs, qi]                                  # (G, d)
-                s = (K @ Q.T) * trace.scale                                # (t+1, G)
+                s = trace.logits(K @ Q.T)                                  # (t+1, G)
+                s[:lo] = -np.inf
                 smax = s.max(axis=0)
+                zs = np.zeros(G)   # the sinks: take-all denominator terms with value zero
+                if trace.sinks is not None:
+                    smax = np.maximum(smax, trace.sinks[hs])
+                    zs = np.exp(trace.sinks[hs] - smax)
                 e = np.exp(s - smax)
-                o = (e.T @ V) / e.sum(axis=0)[:, None]
-                km = kept[g, :t + 1]
+                etot = e.sum(axis=0) + zs
+                o = (e.T @ V) / etot[:, None]
+                km = kept[g, :t + 1] & (np.arange(t + 1) >= lo)
                 kept_tokens += int(km.sum())
                 inv = np.where(km, 1.0 / np.where(km, pi[g, :t + 1], 1.0), 0.0) if hajek \
                     else km.astype(np.float64)
                 w = e * inv[:, None]
-                num, den = w.T @ V, w.sum(axis=0)
+                num, den = w.T @ V, w.sum(axis=0) + zs
                 o_hat = num / den[:, None]
                 err_before[hs, a] += ((o_hat - o) ** 2).sum(axis=1)
                 tail = km & (pi[g, :t + 1] < 1.0)
@@ -117,7 +128,8 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                     c2 = np.zeros(G)
                     contrib, tail_pos = np.zeros((0, G)), np.zeros(0, dtype=np.int64)
                 # Page sums of the evicted tokens this query sees.
-                vis = hp.pos <= t
+                vis = (hp.pos <= t) & (hp.pos >= first_held)
+                nf = int(np.searchsorted(hp.page_id, lo // memory.page))   # freed pages
                 if vis.all():
                     pos, starts, npg = hp.pos, hp.starts, hp.page_id.size
                 else:
@@ -128,39 +140,44 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                     npg = starts.size
                 pn = np.zeros((hp.page_id.size, G, d))
                 pd = np.zeros((hp.page_id.size, G))
+                held = slice(nf, nf + npg)
                 if pos.size:
                     em = e[pos]
-                    pd[:npg] = np.add.reduceat(em, starts, axis=0)
-                    pn[:npg] = np.add.reduceat(em[:, :, None] * V[pos][:, None, :], starts,
+                    pd[held] = np.add.reduceat(em, starts, axis=0)
+                    pn[held] = np.add.reduceat(em[:, :, None] * V[pos][:, None, :], starts,
                                                axis=0)
                 # A fetched page is then complete: its sampled tokens lose the 1/pi weight.
                 adj = np.flatnonzero(tail & np.isin(np.arange(t + 1) // memory.page,
-                                                    hp.page_id[:npg]))
+                                                    hp.page_id[held]))
                 if adj.size and hajek:
                     ea = e[adj] * (1.0 - inv[adj])[:, None]            # (n_adj, G), <= 0
                     slot = np.searchsorted(hp.page_id, adj // memory.page)
                     np.add.at(pd, slot, ea)
                     np.add.at(pn, slot, ea[:, :, None] * V[adj][:, None, :])
-                n_visible.append(npg)
+                n_visible.append((nf, npg))
                 base_num.append(num)
                 base_den.append(den)
                 page_num.append(pn)
                 page_den.append(pd)
                 truth.append(o)
-                evicted[g, a] += hp.bytes[:npg].sum()
+                evicted[g, a] += hp.bytes[held].sum()
                 sl = slice(offsets[g], offsets[g + 1])
-                oracle_all[sl] = (pd / e.sum(axis=0)).sum(axis=1)
+                oracle_all[sl] = (pd / etot).sum(axis=1)
                 bterm = np.zeros(hp.page_id.size)
                 if need_bound:
                     eK = e[km]
-                    E_R = eK.sum(axis=0)
+                    E_R = eK.sum(axis=0) + zs
                     o_R = (eK.T @ V[km]) / E_R[:, None]
                     if hp.page_id.size:
                         for h in range(G):
-                            u = logit_upper_bounds(Q[h], hp.summ, trace.scale) - smax[h]
+                            u = logit_upper_bounds(Q[h], hp.summ, trace.scale)
+                            if trace.softcap is not None:   # increasing: caps the bound
+                                u = trace.softcap * np.tanh(u / trace.softcap)
+                            u = u - smax[h]
                             dist = np.linalg.norm(hp.summ.vcen - o_R[h], axis=1) + hp.summ.vrad
                             bterm += hp.summ.count * np.exp(np.minimum(u, 700.0)) * dist / E_R[h]
-                        bterm[npg:] = 0.0
+                        bterm[nf + npg:] = 0.0
+                        bterm[:nf] = 0.0
                 # the page's share of the certificate: its sampled tokens' terms
                 slot = np.searchsorted(hp.page_id, tail_pos // memory.page)
                 ok = (slot < hp.page_id.size) & (hp.page_id[np.minimum(
@@ -169,7 +186,8 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                 pc = np.zeros(hp.page_id.size)
                 np.add.at(pc, slot[ok], contrib.sum(axis=1)[ok])
                 pc_all[sl], b_all[sl] = pc, bterm
-                head_cert[sl], head_bound[sl], head_pages[sl] = c2.sum(), bterm.sum(), bterm.size
+                head_cert[sl], head_bound[sl] = c2.sum(), bterm.sum()
+                head_pages[sl] = npg if sliding else bterm.size
                 if need_uniforms:
                     uniform_all[sl] = random_priority(int(seed), trace.layer, g, a, hp.page_id)
             # layer totals: sequential sums, in the kernel's order
@@ -179,10 +197,12 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                                 page_cert=pc_all, head_cert=head_cert, head_bound=head_bound,
                                 head_pages=head_pages, layer_cert=ct, layer_bound=bt)
             prio = {name: s.reference(inputs) for name, s in table.items() if s.fetches}
-            total = all_bytes.sum()
-            # Pages a query cannot see yet (none for decode steps of one-shot eviction) never go.
-            visible = np.concatenate([np.arange(hp.page_id.size) < nv
-                                      for hp, nv in zip(heads, n_visible, strict=True)])
+            # Pages a query cannot see yet (none for decode steps of one-shot eviction) never go,
+            # nor those a sliding layer has freed behind its window.
+            visible = np.concatenate([(np.arange(hp.page_id.size) >= nf)
+                                      & (np.arange(hp.page_id.size) < nf + nv)
+                                      for hp, (nf, nv) in zip(heads, n_visible, strict=True)])
+            total = all_bytes[visible].sum() if sliding else all_bytes.sum()
             for si, s_name in enumerate(schedulers):
                 if not table[s_name].fetches:
                     order = np.zeros(0, dtype=np.int64)
@@ -201,7 +221,8 @@ def simulate_layer_reference(trace: LayerTrace, policy: Policy, seeds: np.ndarra
                     for g in range(n_kv):
                         hs = slice(g * G, (g + 1) * G)
                         msk = mask[offsets[g]:offsets[g + 1]]
-                        if msk.size and msk.all():
+                        held_pages = n_visible[g][1] if sliding else msk.size
+                        if held_pages and msk.sum() == held_pages:
                             o_after = truth[g]     # nothing left out: the exact cache
                         else:
                             num = base_num[g] + page_num[g][msk].sum(axis=0)

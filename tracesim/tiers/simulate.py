@@ -42,7 +42,7 @@ from tracesim.tiers.schedulers import (
     scheduler_names,
 )
 
-__all__ = ["check_inputs", "kernel_pages", "layer_memory_model", "prepare_inputs",
+__all__ = ["check_inputs", "kernel_pages", "layer_memory_model", "never_held", "prepare_inputs",
            "modelled_times", "random_priorities", "simulate_layer", "tail_positions",
            "step_logprobs", "SUMS", "to_columns", "zero_sums"]
 
@@ -128,6 +128,16 @@ def kernel_pages(keys: np.ndarray, values: np.ndarray, kept: np.ndarray, page: i
     return Pages(off=off, first=cat(first), count=cat(count), kmin=cat(kmin), kmax=cat(kmax),
                  vcen=cat(vcen), vrad=cat(vrad), nbytes=nbytes,
                  tier=layer_memory.placement(nbytes), block_slot=block_slot, page=int(page))
+
+
+def never_held(trace: LayerTrace, qpos: np.ndarray, page: int) -> np.ndarray:
+    """Positions no decode step's lower tiers hold (bool, (N,)): on a sliding layer the pages
+    wholly behind the first evaluated step's window, freed at eviction (``docs/tiers.md``,
+    "Attention variants"); none on a full layer."""
+    never = np.zeros(trace.n_positions, dtype=bool)
+    if trace.window is not None and qpos.size:
+        never[:int(trace.window_start(int(qpos.min()))) // page * page] = True
+    return never
 
 
 def random_priorities(seed: int, layer: int, pages: Pages, steps: np.ndarray) -> np.ndarray:
@@ -216,12 +226,14 @@ def simulate_layer(trace: LayerTrace, policy: Policy, seeds: np.ndarray, n_layer
         pi, kept = event_inclusion(trace, policy, int(seed), n_layers)
         pi = np.ascontiguousarray(pi, dtype=np.float64)
         kept = np.ascontiguousarray(kept, dtype=np.bool_)
-        pages = kernel_pages(trace.keys, trace.values, kept, memory.page, tb, layer_memory)
+        pages = kernel_pages(trace.keys, trace.values, kept | never_held(trace, qpos, memory.page),
+                             memory.page, tb, layer_memory)
         tail_off, tail_pos = tail_positions(pi, kept)
         rprio = (random_priorities(int(seed), trace.layer, pages, np.arange(NQ))
                  if need_uniforms else np.zeros((1, 1)))
         sched, plugin = kernel_schedule(schedulers, budgets, conf_w, rprio)
-        r = tiers_layer(Attention(K, V, Q, qpos, trace.scale),
+        r = tiers_layer(Attention(K, V, Q, qpos, trace.scale, trace.softcap or 0.0,
+                                  trace.window or 0, trace.sinks),
                         Inclusion(pi, kept, policy.correction == "hajek", bool(policy.certified),
                                   tail_off, tail_pos),
                         pages, sched, n_tiers, plugin=plugin)
