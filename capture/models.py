@@ -353,16 +353,33 @@ def rope_info(model: Any) -> dict[str, Any]:
     ``rope_theta`` from ``config.rope_theta`` (or ``config.rope_parameters["rope_theta"]`` in
     newer transformers); ``rope_scaling`` is the config's scaling dict (``rope_type`` and its
     factors, JSON scalars only), ``{"rope_type": "default"}`` without scaling. Both ``None``
-    when the config has no RoPE base (not a RoPE model).
+    when the config has no RoPE base (not a RoPE model). A model whose ``rope_parameters`` hold
+    one entry per layer type (Gemma 3: 10 000 on ``sliding_attention`` layers, 1 000 000 on
+    ``full_attention`` ones) gets ``layer_rope``, one ``{"rope_theta", "rope_scaling"}`` per
+    model layer, and ``None`` for the two single fields (``ModelMeta.layer_rope``).
     """
     cfg = getattr(model, "config", None)
     params = getattr(cfg, "rope_parameters", None)
     params = dict(params) if isinstance(params, dict) else {}
+    types = getattr(cfg, "layer_types", None)
+    if types and all(isinstance(params.get(t), dict) for t in set(types)):
+        # one RoPE per layer type (Gemma 3: rope_parameters = {layer type: parameters})
+        per_type = {t: _one_rope(params[t].get("rope_theta"), params[t]) for t in set(types)}
+        if all(r is not None for r in per_type.values()):
+            return dict(rope_theta=None, rope_scaling=None,
+                        layer_rope=[per_type[t] for t in types])
     theta = getattr(cfg, "rope_theta", None) or params.get("rope_theta")
+    one = _one_rope(theta, getattr(cfg, "rope_scaling", None) or params)
+    if one is None:
+        return dict(rope_theta=None, rope_scaling=None, layer_rope=None)
+    return {**one, "layer_rope": None}
+
+
+def _one_rope(theta: Any, scaling: Any) -> dict[str, Any] | None:
+    """``{"rope_theta", "rope_scaling"}`` of one RoPE (``None`` without a numeric base): the
+    scaling's JSON scalars, ``type`` read as ``rope_type``, ``default`` when it has none."""
     if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-        return dict(rope_theta=None, rope_scaling=None)
-    scaling = getattr(cfg, "rope_scaling", None) or {
-        k: v for k, v in params.items() if k != "rope_theta"}
+        return None
     scaling = scaling if isinstance(scaling, dict) else {}
     scaling = {str(k): v for k, v in scaling.items()
                if v is None or isinstance(v, (bool, int, float, str))}

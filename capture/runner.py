@@ -167,6 +167,13 @@ def model_meta(loaded: LoadedModel, storage_dtype: str) -> Any:
                      **rope_info(loaded.model), **attention_variants(loaded.model))
 
 
+def subset_rope(rope: dict[str, Any], layers: Sequence[int]) -> dict[str, Any]:
+    """:func:`rope_info` of the stored ``layers`` (``layer_rope`` is one entry per layer)."""
+    if rope.get("layer_rope") is None:
+        return rope
+    return {**rope, "layer_rope": [rope["layer_rope"][i] for i in layers]}
+
+
 @dataclass(frozen=True)
 class Subset:
     """Which layers and KV heads a capture stores (each KV head with its GQA group).
@@ -213,7 +220,7 @@ def model_subset(loaded: LoadedModel, storage_dtype: str, layers: Sequence[int] 
     full = lay == list(range(L)) and kvh == list(range(K))
     meta = ModelMeta(model_id=loaded.model_id, dtype=storage_dtype,
                      **{**info, "n_layers": len(lay), "n_kv_heads": len(kvh),
-                        "n_heads": len(kept["heads"])}, **rope_info(loaded.model),
+                        "n_heads": len(kept["heads"])}, **subset_rope(rope_info(loaded.model), lay),
                      **subset_variants(attention_variants(loaded.model), lay, kept["heads"]))
     return Subset(lay, kvh, kept["heads"], meta, None if full else kept)
 

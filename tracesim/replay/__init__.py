@@ -71,8 +71,7 @@ def load_layer(store, seq, layer: int) -> LayerTrace:
         o_proj=None if o_proj is None else np.asarray(o_proj, dtype=f64),
         sequence_id=str(seq.sequence_id),
         meta=meta,
-        rope=(None if m.rope_theta is None else
-              {"rope_theta": m.rope_theta, "rope_scaling": dict(m.rope_scaling or {})}),
+        rope=m.rope(layer),
         window=attn.window, softcap=attn.softcap, sinks=attn.sinks,
     )
     _check_finite(trace, seq.file, o_proj is not None)

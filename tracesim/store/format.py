@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tracesim import attention_rule, digests
+from tracesim.store.rope import check_layer_rope, check_rope_scaling, check_rope_theta
 
 SCHEMA_VERSION = 1
 """Version of the on-disk layout; bumped on any incompatible change."""
@@ -40,7 +41,7 @@ MAX_TENSORS = 1 << 20
 #: model.json fields a store may lack (the RoPE settings, recorded since they were captured; the
 #: attention variants of docs/trace-format.md, absent for plain full-attention models).
 OPTIONAL_MODEL_FIELDS = ("rope_theta", "rope_scaling", "layer_attention", "attn_logit_softcap",
-                         "sinks")
+                         "sinks", "layer_rope")
 #: ``scaling`` must lie in (0, MAX_SCALING] (head_dim ** -0.5 is below 1 for every model).
 MAX_SCALING = 16.0
 
@@ -92,6 +93,11 @@ class ModelMeta:
         Attention-logit soft-cap ``c`` (logits ``c * tanh(s / c)``); ``None``: none.
     sinks : list of list of float, optional
         Per stored layer and stored query head, the learned sink logit; ``None``: no sinks.
+    layer_rope : list of dict, optional
+        Per stored layer ``{"rope_theta": float, "rope_scaling": dict}``, for models whose
+        layer types rotate differently (Gemma 3: base 10 000 on sliding layers, 1 000 000 on
+        full ones); ``rope_theta`` and ``rope_scaling`` are then ``None``. ``None``: one RoPE
+        for every layer (the fields above).
         The optional fields are written to ``model.json`` only when set.
 
     Raises
@@ -114,6 +120,7 @@ class ModelMeta:
     layer_attention: list[dict[str, Any]] | None = None
     attn_logit_softcap: float | None = None
     sinks: list[list[float]] | None = None
+    layer_rope: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("model_id", "architecture"):
@@ -152,27 +159,14 @@ class ModelMeta:
             raise StoreError(
                 f"ModelMeta: field 'dtype' is {self.dtype!r}, expected one of {STORAGE_DTYPES}"
             )
-        theta = self.rope_theta
-        if theta is not None:
-            if (not isinstance(theta, (int, float, np.integer, np.floating))
-                    or isinstance(theta, (bool, np.bool_)) or not math.isfinite(float(theta))
-                    or not float(theta) > 1.0):
-                raise StoreError(f"ModelMeta: field 'rope_theta' is {theta!r}, expected null "
-                                 "or a finite float > 1")
-            object.__setattr__(self, "rope_theta", float(theta))
-        rs = self.rope_scaling
-        if rs is not None:
-            ok = (isinstance(rs, dict) and 0 < len(rs) <= 32
-                  and isinstance(rs.get("rope_type", rs.get("type")), str)
-                  and all(isinstance(k, str) and len(k) <= 64 for k in rs)
-                  and all(v is None or isinstance(v, (bool, int, float, str))
-                          and not (isinstance(v, str) and len(v) > 64)
-                          and not (isinstance(v, float) and not math.isfinite(v))
-                          for v in rs.values()))
-            if not ok:
-                raise StoreError(f"ModelMeta: field 'rope_scaling' is {rs!r}, expected null or "
-                                 "an object with a string 'rope_type' and JSON scalars")
-            object.__setattr__(self, "rope_scaling", dict(rs))
+        try:
+            ropes = dict(rope_theta=check_rope_theta(self.rope_theta, "rope_theta"),
+                         rope_scaling=check_rope_scaling(self.rope_scaling, "rope_scaling"),
+                         layer_rope=check_layer_rope(self.layer_rope, self.n_layers))
+        except ValueError as exc:
+            raise StoreError(f"ModelMeta: {exc}") from None
+        for name, value in ropes.items():
+            object.__setattr__(self, name, value)
         try:
             variants = dict(
                 layer_attention=attention_rule.check_layer_attention(self.layer_attention,
@@ -186,6 +180,17 @@ class ModelMeta:
 
     def __hash__(self) -> int:  # rope_scaling is a dict, layer_attention and sinks lists
         return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    def rope(self, layer: int) -> dict[str, Any] | None:
+        """RoPE of stored ``layer``: ``{"rope_theta", "rope_scaling"}`` (from ``layer_rope`` when
+        the model records one per layer), or ``None`` when not recorded."""
+        if self.layer_rope is not None:
+            entry = self.layer_rope[layer]
+            return {"rope_theta": entry["rope_theta"],
+                    "rope_scaling": dict(entry["rope_scaling"])}
+        if self.rope_theta is None:
+            return None
+        return {"rope_theta": self.rope_theta, "rope_scaling": dict(self.rope_scaling or {})}
 
     @property
     def group_size(self) -> int:
