@@ -356,7 +356,8 @@ def rope_info(model: Any) -> dict[str, Any]:
     when the config has no RoPE base (not a RoPE model). A model whose ``rope_parameters`` hold
     one entry per layer type (Gemma 3: 10 000 on ``sliding_attention`` layers, 1 000 000 on
     ``full_attention`` ones) gets ``layer_rope``, one ``{"rope_theta", "rope_scaling"}`` per
-    model layer, and ``None`` for the two single fields (``ModelMeta.layer_rope``).
+    model layer, and ``None`` for the two single fields (``ModelMeta.layer_rope``); other models
+    get no ``layer_rope`` key.
     """
     cfg = getattr(model, "config", None)
     params = getattr(cfg, "rope_parameters", None)
@@ -370,9 +371,7 @@ def rope_info(model: Any) -> dict[str, Any]:
                         layer_rope=[per_type[t] for t in types])
     theta = getattr(cfg, "rope_theta", None) or params.get("rope_theta")
     one = _one_rope(theta, getattr(cfg, "rope_scaling", None) or params)
-    if one is None:
-        return dict(rope_theta=None, rope_scaling=None, layer_rope=None)
-    return {**one, "layer_rope": None}
+    return dict(rope_theta=None, rope_scaling=None) if one is None else one
 
 
 def _one_rope(theta: Any, scaling: Any) -> dict[str, Any] | None:

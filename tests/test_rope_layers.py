@@ -34,7 +34,7 @@ def test_gemma3_records_each_layer_types_rope():
 
 def test_one_rope_models_are_unchanged():
     info = rope_info(tiny_model("llama"))
-    assert info["layer_rope"] is None and info["rope_theta"] > 1
+    assert "layer_rope" not in info and info["rope_theta"] > 1
     meta = ModelMeta.from_dict({**BASE, **info})
     assert "layer_rope" not in meta.to_dict()
     assert meta.rope(1) == {"rope_theta": info["rope_theta"],
