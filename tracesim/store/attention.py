@@ -15,11 +15,10 @@ module only gives each layer its view.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from .format import MODEL_FILE, ModelMeta, StoreError
+from .format import ModelMeta
 
 __all__ = ["LayerAttention", "layer_attention"]
 
@@ -57,23 +56,3 @@ def layer_attention(model: ModelMeta, layer: int) -> LayerAttention:
     return LayerAttention(kind=kind, window=window, softcap=model.attn_logit_softcap,
                           sinks=sinks)
 
-
-def refuse_attention_variants(store: Any, layers: Any, consumer: str) -> None:
-    """Refuse, before any work, stored layers with a sliding window, a soft-cap or sinks, for a
-    consumer that does not model them yet (naming the layer, the variant and the field).
-
-    Raises
-    ------
-    StoreError
-    """
-    for layer in (range(len(store.kept["layers"])) if layers is None else layers):
-        attn = store.layer_attention(int(layer))
-        what = [name for name, on in (
-            (f"a sliding window of {attn.window} (field 'layer_attention')", attn.window),
-            (f"a logit soft-cap of {attn.softcap} (field 'attn_logit_softcap')", attn.softcap),
-            ("learned sinks (field 'sinks')", attn.sinks is not None)) if on]
-        if what:
-            raise StoreError(f"{MODEL_FILE}: layer {int(layer)} has {' and '.join(what)}; "
-                             f"{consumer} does not model this attention variant yet, expected "
-                             "full attention without soft-cap or sinks (replay, sweep and "
-                             "report do model it)")
