@@ -163,8 +163,6 @@ def test_vattention_rule_with_a_window_sink_and_cap(windowed):
         assert set(np.flatnonzero(kept)) == det | sampled
         np.testing.assert_allclose(out, num / den, rtol=1e-10)
         assert row["peer_den_ok"] == float(abs(den - D) <= 0.3 * D)
-        # a sink the size of the whole mass makes the denominator check easier, never harder
-        assert e_sink > 0
 
 
 def test_full_layers_are_unchanged_by_the_variant_code(windowed):
