@@ -166,10 +166,8 @@ def test_head_roles_with_a_streaming_tail_are_certified_per_head():
 
 
 def test_head_roles_refuse_other_allocators_and_bad_fields():
-    trace = synthetic_trace(0)
-    policy = make_policy("headroles", "topk", Budget(0.5, allocator="adakv"))
     with pytest.raises(ValueError, match="allocator is 'adakv', expected 'uniform'"):
-        replay_layer(trace, [policy], np.array([0]), n_layers=1)
+        make_policy("headroles", "topk", Budget(0.5, allocator="adakv"))
     for bad in ({"threshold": 1.5}, {"streaming_tail": -1}, {"base": "headroles"}):
         with pytest.raises(ValueError, match="HeadRolesScore"):
             make_score("headroles", **bad)

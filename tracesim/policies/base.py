@@ -141,6 +141,10 @@ class Score:
         overrides this."""
         return budget.allocate(tail_scores, tail_budget)
 
+    def check_budget(self, budget: Any) -> None:
+        """Subclass hook: raise ``ValueError`` if this score cannot use ``budget`` (called when
+        a policy is built, so a spec fails before any work)."""
+
     def kept_tokens(self, budget: object, context: int) -> int:
         """Nominal tokens per (layer, KV head) for a compressible range of ``context`` tokens.
 

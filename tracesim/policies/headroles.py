@@ -68,7 +68,7 @@ class HeadRolesScore(Score):
     ----------
     base : str, default "h2o"
         Registry name of the score that ranks (or, under a randomized design, samples) tails.
-    threshold : float in [0, 1], default 0.1
+    threshold : float in [0, 1], default 0.3
         Long-range attention mass from which a head is a retrieval head.
     streaming_tail : int >= 0, default 0
         Tail tokens of a streaming head beyond its sinks and window.
@@ -79,7 +79,7 @@ class HeadRolesScore(Score):
 
     window: int = 32
     base: str = "h2o"
-    threshold: float = 0.1
+    threshold: float = 0.3
     streaming_tail: int = 0
 
     def validate(self) -> None:
@@ -107,11 +107,14 @@ class HeadRolesScore(Score):
                seed: int | None = None) -> np.ndarray:
         return self.base_score().scores(trace, kv_head, end)
 
-    def tail_budgets(self, trace: LayerTrace, tail_scores: list[np.ndarray], tail_budget: int,
-                     budget: Any) -> np.ndarray:
+    def check_budget(self, budget: Any) -> None:
         if budget.allocator != "uniform":
             raise ValueError(f"headroles sets each head's budget by its role; the budget's "
                              f"allocator is {budget.allocator!r}, expected 'uniform'")
+
+    def tail_budgets(self, trace: LayerTrace, tail_scores: list[np.ndarray], tail_budget: int,
+                     budget: Any) -> np.ndarray:
+        self.check_budget(budget)
         return role_allocation(self.retrieval_heads(trace),
                                np.array([s.size for s in tail_scores], dtype=np.int64),
                                tail_budget, int(self.streaming_tail))
