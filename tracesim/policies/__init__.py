@@ -9,7 +9,7 @@ score          rule                                                  non-negativ
 ``tova``       the last query's attention, mean over the group       mass, as is
 ``knorm``      ``-‖k‖`` (small key norm = important)                 ``exp(-(‖k‖-min)/tau)``
 ``vnorm``      largest ``‖v‖`` take-all, design over the rest        ``‖v‖``, as is
-``vase``       VaSE: largest-‖v‖ guard + Gumbel-perturbed base score  ``base · exp(tau g)``
+``vase``       VaSE: ‖v‖ guard + Gumbel-perturbed base score          ``base · exp(tau g)``
 ``headroles``  retrieval heads: the budget; streaming: sinks+window  the base score, as is
 ``keyformer``  Gumbel-perturbed accumulated attention                ``h2o · exp(tau g)``
 ``random``     uniform noise (naive baseline, uncorrected)           ``u`` in (0, 1)
