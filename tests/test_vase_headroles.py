@@ -205,3 +205,34 @@ def test_tangram_is_static_and_differs_from_adakv():
     np.testing.assert_array_equal(tangram[0], alloc)
     with pytest.raises(ValueError, match="tangram_ratios"):
         tangram_ratios(np.array([1.0, -1.0]))
+
+
+def test_tangram_score_replays_the_calibrated_static_budgets(tmp_path):
+    """calibrate_tangram over a store (Ada-KV's allocations -> ratios), then replay: every
+    sequence gets the same per-head budgets, ratios x T by largest remainder."""
+    from tests.replay_fixtures import build_store
+    from tracesim.policies.tangram import calibrate_tangram, save_tangram_profile
+    from tracesim.replay import load_layer
+    from tracesim.store import open_store
+
+    store = open_store(build_store(tmp_path / "store", n_seqs=2, n_layers=2))
+    ratios = calibrate_tangram(store, "h2o", 0.4, sinks=SINKS, window=WINDOW)
+    assert ratios.shape == (2, store.model.n_kv_heads)
+    np.testing.assert_allclose(ratios.mean(axis=1), 1.0)
+    save_tangram_profile(tmp_path / "profile.npz", ratios)
+    policy = make_policy("tangram", "topk", 0.4, score_params={
+        "base": "h2o", "sinks": SINKS, "window": WINDOW, "profile": str(tmp_path / "profile.npz")})
+    for sid in store.sequence_ids:
+        for layer in range(2):
+            trace = load_layer(store, store[sid], layer)
+            res = replay_layer(trace, [policy], np.array([0]), n_layers=2)
+            PL = trace.prompt_length
+            T = round(0.4 * PL) - len(loop_stratum(PL))
+            want = tangram_allocation(ratios[layer], T)
+            np.testing.assert_array_equal(res.tables.budget_tokens[0],
+                                          len(loop_stratum(PL)) + want)
+    with pytest.raises(ValueError, match="no such file"):
+        make_score("tangram", profile=str(tmp_path / "missing.npz"))
+    np.savez(tmp_path / "bad.npz", ratios=np.array([[1.0, -1.0]]))
+    with pytest.raises(ValueError, match="bad.npz: field 'ratios'"):
+        make_score("tangram", profile=str(tmp_path / "bad.npz"))

@@ -9,7 +9,7 @@ from tracesim.policies.base import Score
 __all__ = ["base_score"]
 
 #: Scores that wrap a base score cannot take one another (or themselves) as their base.
-WRAPPERS = ("vase", "headroles")
+WRAPPERS = ("vase", "headroles", "tangram")
 
 
 @lru_cache(maxsize=64)
