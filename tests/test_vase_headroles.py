@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -188,6 +189,10 @@ def test_tangram_is_static_and_differs_from_adakv():
     calib = np.array([adakv_allocation(sample(), T) for _ in range(50)])
     ratios = tangram_ratios(calib)
     assert ratios.mean() == pytest.approx(1.0)
+    # Loop reference: each sample's share relative to its mean head, median over samples.
+    rel = [[float(a) / (sum(row) / len(row)) for a in row] for row in calib.tolist()]
+    med = [statistics.median(r[h] for r in rel) for h in range(n_kv)]
+    np.testing.assert_allclose(ratios, [m / (sum(med) / n_kv) for m in med], rtol=1e-12)
     new_inputs = [sample() for _ in range(5)]
     tangram = [tangram_allocation(ratios, T, np.array([s.size for s in x]))
                for x in new_inputs]

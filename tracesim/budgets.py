@@ -202,8 +202,9 @@ def tangram_ratios(allocations: np.ndarray) -> np.ndarray:
     ``allocations`` (n_samples, n_heads): a non-uniform method's per-head budgets on each
     calibration sample (Tangram calibrates from ~50 samples). Each row is divided by its mean
     (so a head's ratio says how much more than the average head it keeps on that sample); the
-    ratio of a head is the mean over samples, renormalised to mean 1. Heads with no budget on
-    every sample get 0.
+    ratio of a head is the median over samples (Tangram's public profiling tool aggregates
+    per-head retention by its median), renormalised to mean 1. Heads with no budget on every
+    sample get 0.
     """
     a = np.asarray(allocations, dtype=np.float64)
     if a.ndim != 2 or a.shape[0] < 1 or a.shape[1] < 1 or not np.isfinite(a).all() or (
@@ -212,7 +213,7 @@ def tangram_ratios(allocations: np.ndarray) -> np.ndarray:
                          f"non-negative finite (n_samples, n_heads) array")
     means = a.mean(axis=1, keepdims=True)
     rel = np.divide(a, means, out=np.ones_like(a), where=means > 0)
-    r = rel.mean(axis=0)
+    r = np.median(rel, axis=0)
     return r / r.mean() if r.mean() > 0 else np.ones(a.shape[1])
 
 

@@ -62,15 +62,16 @@ def save_tangram_profile(path: str | Path, ratios: np.ndarray) -> None:
 
 
 def calibrate_tangram(store: Any, base: str, budget: float, *, sinks: int = 4,
-                      window: int = 32, alpha: float = 0.2,
+                      window: int = 32, alpha: float = 0.0,
                       sequences: list[str] | None = None) -> np.ndarray:
     """Per-(layer, KV head) ratios from Ada-KV's allocations on calibration sequences.
 
     For every calibration sequence and layer: the ``base`` score at the end of the compressed
-    range, Ada-KV's per-head tail budgets (floor ``alpha``) for the tail budget that ``budget``
-    (a fraction, as :class:`~tracesim.budgets.Budget`) leaves after sinks and window; then
-    :func:`~tracesim.budgets.tangram_ratios` per layer over the sequences. Returns
-    ``(n_layers, n_kv_heads)``.
+    range, Ada-KV's per-head tail budgets (floor ``alpha``; the default 0 is one threshold over
+    the layer's normalised scores, as Tangram's per-layer profiling scope) for the tail budget
+    that ``budget`` (a fraction, as :class:`~tracesim.budgets.Budget`) leaves after sinks and
+    window; then :func:`~tracesim.budgets.tangram_ratios` per layer over the sequences
+    (median). Returns ``(n_layers, n_kv_heads)``.
     """
     from tracesim.budgets import Budget
     from tracesim.replay import load_layer
