@@ -50,7 +50,7 @@ def test_retention_topk_keeps_the_loop_references_tokens(plugin, tmp_path, geome
     B = round(0.3 * PL)
     for g in range(trace.n_kv_heads):
         take = set(range(4))  # sinks = 4, window = 0
-        util = {i: (beta[0, g, i] ** (PL - 1 - i) if geometric else beta[0, g, i])
+        util = {i: (beta[0, g, i] ** (PL + 1 - i) if geometric else beta[0, g, i])
                 for i in range(PL) if i not in take}
         top = sorted(util, key=lambda i: (util[i], i), reverse=True)[:B - len(take)]
         kept = take | set(top)

@@ -2,9 +2,11 @@
 
 "Make Each Token Count" (Bui, Nguyen, Cohan, Ying; arXiv 2605.09649, code: TRIM-KV) trains
 lightweight retention gates that give every cached KV entry a retention value ``beta_i`` in
-(0, 1]; a token's utility decays geometrically with its age, ``beta_i^(t - i)`` at step ``t``,
-and the lowest-utility entries are evicted. tracesim trains nothing: this plugin *reads* the
-retention values a trained model produced, from a file, and ranks tokens by them.
+(0, 1]; a token's utility decays geometrically with its age (the public TRIM-KV cache scores
+``log(beta_i) * (q - i)`` with ``q`` the number of tokens seen plus one, a recent window
+protected), and the lowest-utility entries are evicted, per head at a fixed budget. tracesim
+trains nothing: this plugin *reads* the retention values a trained model produced, from a
+file, and ranks tokens by them.
 
 The file is an ``.npz`` (``numpy.savez``; read with ``allow_pickle=False``, nothing in it is
 executed) with one array per sequence, named by the store's ``sequence_id``, of shape
@@ -66,7 +68,7 @@ def load_retention(path: str) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True)
 class RetentionScore(Score):
-    """``x_i = beta_i ** (end - 1 - i)`` (``geometric``) or ``beta_i``, from the score file.
+    """``x_i = beta_i ** (end + 1 - i)`` (``geometric``) or ``beta_i``, from the score file.
 
     Reads nothing of the trace but its ``sequence_id``, ``layer`` and the event time ``end``.
 
@@ -75,8 +77,8 @@ class RetentionScore(Score):
     path : str
         The ``.npz`` score file (module docstring).
     geometric : bool, default True
-        Rank by the decayed utility ``beta_i^(end - 1 - i)`` (the paper's geometric retention);
-        False ranks by ``beta_i`` itself.
+        Rank by the decayed utility ``beta_i^(end + 1 - i)`` (the paper's geometric retention,
+        with the exponent of the TRIM-KV code's single-step score); False ranks by ``beta_i``.
     """
 
     name: ClassVar[str] = "retention"
@@ -106,5 +108,7 @@ class RetentionScore(Score):
         beta = a[trace.layer, kv_head, :end].astype(np.float64)
         if not self.geometric:
             return beta
-        age = np.arange(end - 1, -1, -1, dtype=np.float64)
-        return np.power(beta, age)  # 0 ** 0 = 1: the newest token is never scored 0
+        # The next query's position is end; TRIM-KV's public cache scores log(beta) * (q - i)
+        # with q = tokens seen + 1 = end + 1, so the exponent is end + 1 - i (>= 2).
+        age = np.arange(end + 1, 1, -1, dtype=np.float64)
+        return np.power(beta, age)
