@@ -166,6 +166,27 @@ def test_head_roles_with_a_streaming_tail_are_certified_per_head():
         np.testing.assert_allclose(slot_pi(res, 0, g)[:PL], expect, rtol=1e-10, atol=1e-12)
 
 
+def test_head_roles_from_duoattention_gates_file(tmp_path):
+    """With ``gates``, the roles are the gate values thresholded (DuoAttention's deployment)."""
+    trace = synthetic_trace(5, n_heads=6, n_kv=3)
+    np.savez(tmp_path / "gates.npz", gates=np.array([[0.9, 0.1, 0.5]]))
+    policy = make_policy("headroles", "topk", 0.5, score_params={
+        "sinks": SINKS, "window": WINDOW, "threshold": 0.5,
+        "gates": str(tmp_path / "gates.npz")})
+    np.testing.assert_array_equal(policy.score.retrieval_heads(trace), [True, False, True])
+    res = replay_layer(trace, [policy], np.array([0]), n_layers=1)
+    stratum = len(loop_stratum(trace.prompt_length))
+    np.testing.assert_array_equal(res.tables.budget_tokens[0],
+                                  [round(0.5 * trace.prompt_length), stratum,
+                                   round(0.5 * trace.prompt_length)])
+    np.savez(tmp_path / "bad.npz", gates=np.array([[1.5, 0.0]]))
+    with pytest.raises(ValueError, match="bad.npz: field 'gates'"):
+        make_score("headroles", gates=str(tmp_path / "bad.npz"))
+    np.savez(tmp_path / "nofield.npz", other=np.zeros((1, 3)))
+    with pytest.raises(ValueError, match="no field 'gates'"):
+        make_score("headroles", gates=str(tmp_path / "nofield.npz"))
+
+
 def test_head_roles_refuse_other_allocators_and_bad_fields():
     with pytest.raises(ValueError, match="allocator is 'adakv', expected 'uniform'"):
         make_policy("headroles", "topk", Budget(0.5, allocator="adakv"))

@@ -12,7 +12,10 @@ prefill with an attention-mass statistic instead (issue #33), documented in docs
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -22,7 +25,35 @@ from tracesim.layer_trace import LayerTrace
 from tracesim.policies.base import Score
 from tracesim.policies.composed import base_score
 
-__all__ = ["HeadRolesScore", "long_range_mass"]
+__all__ = ["HeadRolesScore", "load_gates", "long_range_mass"]
+
+MAX_GATES_BYTES = 16 << 20
+
+
+@lru_cache(maxsize=8)
+def load_gates(path: str) -> np.ndarray:
+    """Field ``gates`` (n_layers, n_kv_heads) of an ``.npz``, values in [0, 1], validated; a
+    ``ValueError`` names the file and the field."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"HeadRolesScore.gates = {path!r}: no such file (expected an .npz "
+                         f"with a field 'gates' of shape (n_layers, n_kv_heads))")
+    if p.stat().st_size > MAX_GATES_BYTES:
+        raise ValueError(f"{path}: {p.stat().st_size} bytes, expected at most "
+                         f"{MAX_GATES_BYTES}")
+    try:
+        with np.load(p, allow_pickle=False) as npz:
+            if "gates" not in npz.files:
+                raise ValueError(f"{path}: no field 'gates'; expected a float (n_layers, "
+                                 f"n_kv_heads) array named 'gates'")
+            gates = npz["gates"]
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path}: not a readable .npz without pickles ({exc})") from None
+    if (gates.ndim != 2 or gates.dtype.kind != "f" or not np.isfinite(gates).all()
+            or (gates < 0).any() or (gates > 1).any()):
+        raise ValueError(f"{path}: field 'gates' (shape {gates.shape}, dtype {gates.dtype}): "
+                         f"expected floats in [0, 1] of shape (n_layers, n_kv_heads)")
+    return gates.astype(np.float64)
 
 
 def long_range_mass(trace: LayerTrace, kv_head: int, end: int, sinks: int,
@@ -69,9 +100,15 @@ class HeadRolesScore(Score):
     base : str, default "h2o"
         Registry name of the score that ranks (or, under a randomized design, samples) tails.
     threshold : float in [0, 1], default 0.3
-        Long-range attention mass from which a head is a retrieval head.
+        Long-range attention mass (or gate value, with ``gates``) from which a head is a
+        retrieval head.
     streaming_tail : int >= 0, default 0
         Tail tokens of a streaming head beyond its sinks and window.
+    gates : str, default ""
+        An ``.npz`` whose field ``gates`` (n_layers, n_kv_heads), values in [0, 1], replaces
+        the attention-mass statistic: DuoAttention's learned per-head gate values (its released
+        ``full_attention_heads.tsv``, converted), thresholded at ``threshold`` as its
+        deployment does. Empty: classify from the prefill.
     """
 
     name: ClassVar[str] = "headroles"
@@ -81,6 +118,7 @@ class HeadRolesScore(Score):
     base: str = "h2o"
     threshold: float = 0.3
     streaming_tail: int = 0
+    gates: str = ""
 
     def validate(self) -> None:
         if not 0.0 <= float(self.threshold) <= 1.0:
@@ -89,6 +127,8 @@ class HeadRolesScore(Score):
             raise ValueError(f"HeadRolesScore.streaming_tail = {self.streaming_tail}: "
                              f"expected an int >= 0")
         self.base_score()
+        if self.gates:
+            load_gates(str(self.gates))
 
     def base_score(self) -> Score:
         """The base score (the registry's, with this score's sinks and window)."""
@@ -99,6 +139,13 @@ class HeadRolesScore(Score):
 
     def retrieval_heads(self, trace: LayerTrace) -> np.ndarray:
         """Bool per KV head: True for a retrieval head (classified on the prefill)."""
+        if self.gates:
+            g = load_gates(str(self.gates))
+            if trace.layer >= g.shape[0] or g.shape[1] != trace.n_kv_heads:
+                raise ValueError(f"{self.gates}: field 'gates' has shape {g.shape}; layer "
+                                 f"{trace.layer} with {trace.n_kv_heads} KV heads needs "
+                                 f"(> {trace.layer}, {trace.n_kv_heads})")
+            return g[trace.layer] >= float(self.threshold)
         end = self.compress_end(trace)
         return np.array([long_range_mass(trace, g, end, int(self.sinks), int(self.window))
                          >= float(self.threshold) for g in range(trace.n_kv_heads)])
