@@ -262,3 +262,24 @@ def test_tangram_score_replays_the_calibrated_static_budgets(tmp_path):
     np.savez(tmp_path / "bad.npz", ratios=np.array([[1.0, -1.0]]))
     with pytest.raises(ValueError, match="bad.npz: field 'ratios'"):
         make_score("tangram", profile=str(tmp_path / "bad.npz"))
+
+
+def test_vase_and_head_roles_under_decode_eviction_are_nested_and_thread_independent():
+    """decode:2 events keep the nested rule (pi never rises for a token) and the results are
+    the same bytes on 1 and 2 numba threads."""
+    from tests.replay_fixtures import assert_same_on_one_and_two_threads
+
+    trace = synthetic_trace(8)
+    policies = [
+        make_policy("vase", "poisson", 0.3, schedule="decode:2",
+                    score_params={"sinks": SINKS, "window": WINDOW, "temperature": 1.0}),
+        make_policy("headroles", "poisson", 0.5, schedule="decode:2",
+                    score_params={"sinks": SINKS, "window": WINDOW, "threshold": 0.5,
+                                  "streaming_tail": 4}),
+    ]
+    one, _ = assert_same_on_one_and_two_threads(trace, policies, np.array([0, 1]))
+    t = one.tables
+    for slot in range(t.slot_ev.size - 1):
+        pis = t.pi[t.slot_ev[slot]:t.slot_ev[slot + 1]]
+        assert pis.shape[0] > 1  # several events
+        assert np.all(np.diff(pis, axis=0) <= 1e-15)
