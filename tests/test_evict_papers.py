@@ -30,3 +30,19 @@ def test_papers_policies_run_in_the_loop_with_the_simulators_kept_sets(
                                                  store.model.n_layers)
         np.testing.assert_array_equal(plans[layer].kept.numpy(), kept_sim[:, :P])
         np.testing.assert_allclose(plans[layer].pi.numpy(), pi_sim[:, :P], rtol=1e-12)
+
+
+def test_tangram_runs_in_the_loop_with_a_calibrated_profile(tiny_store, tmp_path):
+    from tracesim.policies.tangram import calibrate_tangram, save_tangram_profile
+
+    store, loaded, seq, meta, P, pre = prefilled(tiny_store)
+    ratios = calibrate_tangram(store, "h2o", 0.4, window=8)
+    save_tangram_profile(tmp_path / "profile.npz", ratios)
+    policy = make_policy("tangram", "poisson", 0.4, score_params={
+        "window": 8, "profile": str(tmp_path / "profile.npz")})
+    plans = layer_plans(pre.traces, policy, 1)
+    assert len(decode_policy(loaded.model, pre, plans, 2, set()).generated_ids) == 2
+    for layer in range(store.model.n_layers):
+        _, kept_sim = first_event_inclusion(load_layer(store, seq, layer), policy, 1,
+                                            store.model.n_layers)
+        np.testing.assert_array_equal(plans[layer].kept.numpy(), kept_sim[:, :P])
