@@ -17,6 +17,17 @@ across heads) while keeping its total:
     layer (mean ``T`` over layers), uniform across the heads of a layer (PyramidKV, Cai et al.
     2024, ``beta = 20``).
 
+Two more allocators are functions here, not ``Budget.allocator`` values:
+
+``role_allocation``
+    head roles (DuoAttention-style, :mod:`tracesim.policies.headroles`): retrieval heads get
+    the per-head tail budget, streaming heads a fixed small one (sinks + window only by
+    default); the ``headroles`` score applies it.
+``tangram_allocation``
+    Tangram (Kim et al. 2026, arXiv 2606.06302): *static* per-head budgets, fixed before the
+    input is seen from per-head ratios calibrated offline (:func:`tangram_ratios`, e.g. over
+    Ada-KV's allocations on calibration sequences), where Ada-KV re-allocates on every input.
+
 Allocations are integers; with randomized designs the *expected* kept count equals the budget
 and the realized count varies by seed (the replay reports both).
 """
@@ -27,7 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ALLOCATORS", "Budget", "adakv_allocation", "pyramid_allocation"]
+__all__ = ["ALLOCATORS", "Budget", "adakv_allocation", "largest_remainder", "pyramid_allocation",
+           "role_allocation", "tangram_allocation", "tangram_ratios"]
 
 ALLOCATORS = ("uniform", "adakv", "pyramidkv")
 UNITS = ("fraction", "tokens")
@@ -162,3 +174,59 @@ def adakv_allocation(tail_scores: list[np.ndarray], tail_budget: int,
         take = np.argsort(-scores, kind="stable")[:remaining]
         alloc += np.bincount(heads[take], minlength=n_kv)
     return alloc
+
+
+def largest_remainder(exact: np.ndarray, total: int) -> np.ndarray:
+    """Integers ``floor(exact)`` plus one for the ``total - sum(floor)`` largest remainders
+    (ties: the earlier index), so they sum to ``total`` (``exact`` must sum to it)."""
+    exact = np.asarray(exact, dtype=np.float64)
+    base = np.floor(exact).astype(np.int64)
+    short = int(total) - int(base.sum())
+    order = np.argsort(-(exact - base), kind="stable")
+    base[order[:max(0, short)]] += 1
+    return base
+
+
+def role_allocation(retrieval: np.ndarray, sizes: np.ndarray, tail_budget: int,
+                    streaming_tail: int = 0) -> np.ndarray:
+    """Per-head tail budgets by role: ``tail_budget`` for a retrieval head, ``streaming_tail``
+    for a streaming head, each capped at the head's tail size ``sizes``."""
+    want = np.where(np.asarray(retrieval, dtype=bool), max(0, int(tail_budget)),
+                    max(0, int(streaming_tail)))
+    return np.minimum(np.asarray(sizes, dtype=np.int64), want.astype(np.int64))
+
+
+def tangram_ratios(allocations: np.ndarray) -> np.ndarray:
+    """Tangram's per-head budget ratios from calibration allocations.
+
+    ``allocations`` (n_samples, n_heads): a non-uniform method's per-head budgets on each
+    calibration sample (Tangram calibrates from ~50 samples). Each row is divided by its mean
+    (so a head's ratio says how much more than the average head it keeps on that sample); the
+    ratio of a head is the median over samples (Tangram's public profiling tool aggregates
+    per-head retention by its median), renormalised to mean 1. Heads with no budget on every
+    sample get 0.
+    """
+    a = np.asarray(allocations, dtype=np.float64)
+    if a.ndim != 2 or a.shape[0] < 1 or a.shape[1] < 1 or not np.isfinite(a).all() or (
+            a < 0).any():
+        raise ValueError(f"tangram_ratios: allocations of shape {a.shape}: expected a "
+                         f"non-negative finite (n_samples, n_heads) array")
+    means = a.mean(axis=1, keepdims=True)
+    rel = np.divide(a, means, out=np.ones_like(a), where=means > 0)
+    r = np.median(rel, axis=0)
+    return r / r.mean() if r.mean() > 0 else np.ones(a.shape[1])
+
+
+def tangram_allocation(ratios: np.ndarray, tail_budget: int,
+                       sizes: np.ndarray | None = None) -> np.ndarray:
+    """Static per-head tail budgets ``ratios * T`` (ratios of mean 1), largest remainder so the
+    total is ``n_heads * T``, capped at each head's tail size (``sizes``, if given). The same on
+    every input: the scores are not read."""
+    r = np.asarray(ratios, dtype=np.float64)
+    if r.ndim != 1 or not np.isfinite(r).all() or (r < 0).any() or r.sum() <= 0:
+        raise ValueError("tangram_allocation: ratios must be a non-negative finite 1-D array "
+                         "with a positive sum")
+    T = max(0, int(tail_budget))
+    exact = r * (r.size * T) / r.sum()
+    alloc = largest_remainder(exact, r.size * T)
+    return alloc if sizes is None else np.minimum(np.asarray(sizes, dtype=np.int64), alloc)

@@ -9,6 +9,9 @@ score          rule                                                  non-negativ
 ``tova``       the last query's attention, mean over the group       mass, as is
 ``knorm``      ``-‖k‖`` (small key norm = important)                 ``exp(-(‖k‖-min)/tau)``
 ``vnorm``      largest ``‖v‖`` take-all, design over the rest        ``‖v‖``, as is
+``vase``       VaSE: ‖v‖ guard + Gumbel-perturbed base score          ``base · exp(tau g)``
+``headroles``  retrieval heads: the budget; streaming: sinks+window  the base score, as is
+``tangram``    fixed per-head budgets from a calibrated profile      the base score, as is
 ``keyformer``  Gumbel-perturbed accumulated attention                ``h2o · exp(tau g)``
 ``random``     uniform noise (naive baseline, uncorrected)           ``u`` in (0, 1)
 ``oracle``     the decode queries' own attention (not deployable)    mass, as is
@@ -34,6 +37,7 @@ from tracesim.layer_trace import LayerTrace
 from tracesim.policies.base import Score, take_all_mask
 from tracesim.policies.full import FullScore
 from tracesim.policies.h2o import H2OScore
+from tracesim.policies.headroles import HeadRolesScore
 from tracesim.policies.keyformer import KeyformerScore
 from tracesim.policies.knorm import KNormScore
 from tracesim.policies.kvpress import KVPRESS_ALIASES, KVPRESS_SCORES
@@ -43,14 +47,17 @@ from tracesim.policies.policy import CORRECTIONS, POLICY_COLUMNS, Policy
 from tracesim.policies.redundancy import merge_score_free
 from tracesim.policies.snapkv import SnapKVScore
 from tracesim.policies.streaming import StreamingScore
+from tracesim.policies.tangram import TangramScore
 from tracesim.policies.tova import TOVAScore
 from tracesim.policies.uniform import RandomScore
+from tracesim.policies.vase import VaSEScore
 from tracesim.policies.vnorm import VNormScore
 from tracesim.registry import SCORE_REGISTRY
 from tracesim.schedules import Schedule
 
 __all__ = [
-    "CORRECTIONS", "POLICY_COLUMNS", "SCORES", "FullScore", "H2OScore", "KNormScore",
+    "CORRECTIONS", "POLICY_COLUMNS", "SCORES", "FullScore", "H2OScore", "HeadRolesScore",
+    "KNormScore", "TangramScore", "VaSEScore",
     "KeyformerScore", "LayerTrace", "OracleScore", "PerStepScore", "Policy", "RandomScore",
     "Score", "SnapKVScore", "StreamingScore", "TOVAScore", "VNormScore", "make_policy",
     "make_score", "policy_grid",
@@ -59,7 +66,8 @@ __all__ = [
 
 SCORES: dict[str, type[Score]] = {cls.name: cls for cls in (
     StreamingScore, H2OScore, SnapKVScore, TOVAScore, KNormScore, VNormScore, KeyformerScore,
-    RandomScore, OracleScore, PerStepScore, FullScore)}
+    RandomScore, OracleScore, PerStepScore, FullScore, VaSEScore, HeadRolesScore,
+    TangramScore)}
 SCORES.update(KVPRESS_SCORES)
 #: Built-ins + kvpress aliases + plugins (entry points ``tracesim.scores``, decorator); see
 #: tracesim.registry.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -133,6 +133,17 @@ class Score:
         ``seed`` is given only to seed-dependent scores.
         """
         raise NotImplementedError
+
+    def tail_budgets(self, trace: LayerTrace, tail_scores: list[np.ndarray], tail_budget: int,
+                     budget: Any) -> np.ndarray:
+        """Per-KV-head tail budgets of one event: the budget's allocator by default
+        (:meth:`tracesim.budgets.Budget.allocate`); a score that sets them itself (head roles)
+        overrides this."""
+        return budget.allocate(tail_scores, tail_budget)
+
+    def check_budget(self, budget: Any) -> None:
+        """Subclass hook: raise ``ValueError`` if this score cannot use ``budget`` (called when
+        a policy is built, so a spec fails before any work)."""
 
     def kept_tokens(self, budget: object, context: int) -> int:
         """Nominal tokens per (layer, KV head) for a compressible range of ``context`` tokens.

@@ -88,6 +88,7 @@ class Policy:
             raise ValueError(f"Policy {self.score.name}: a design is required")
         if not isinstance(self.budget, Budget):
             raise ValueError(f"Policy {self.score.name}: a Budget is required")
+        self.score.check_budget(self.budget)
         if not isinstance(self.schedule, Schedule):
             raise ValueError("Policy.schedule must be a Schedule")
         correction = self.correction

@@ -7,7 +7,8 @@ values never reach the inclusion probabilities. A design says so itself, with
 that differ only in their score then keep the same tokens with the same probabilities and give
 identical rows, *provided* everything else a score decides is equal:
 
-- the take-all stratum (``sinks``, ``window``; scores overriding ``take_all`` are never merged),
+- the take-all stratum (``sinks``, ``window``; scores overriding ``take_all`` or
+  ``tail_budgets`` are never merged),
 - ``top_fraction = 0`` (a positive one keeps the top-scored tail tokens),
 - the compressed range (``compress_end``; e.g. question-agnostic SnapKV stops at the question),
 - the budget rule (``kept_tokens``; the kvpress presses truncate where tracesim rounds),
@@ -63,7 +64,8 @@ def effective_key(policy: Policy) -> str:
     if (not score.evicts or not getattr(score, "deployable", True)
             or not design_ignores_score(design) or float(score.top_fraction) != 0
             or budget is None or budget.allocator == "adakv"
-            or type(score).take_all is not Score.take_all):
+            or type(score).take_all is not Score.take_all
+            or type(score).tail_budgets is not Score.tail_budgets):
         return policy.id
     boundary = _compress_boundary(score)
     if boundary is None:

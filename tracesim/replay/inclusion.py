@@ -209,8 +209,8 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
                 cut[np.flatnonzero(masks[g])[:B_e]] = True
                 masks[g] = cut
         tb = max(0, B_e - int(masks[0].sum()))
-        alloc = policy.budget.allocate(tails, policy.budget.layer_tail_budget(
-            tb, trace.layer, n_layers))
+        alloc = score.tail_budgets(trace, tails, policy.budget.layer_tail_budget(
+            tb, trace.layer, n_layers), policy.budget)
         for g in range(n_kv):
             alive = _alive(raw, e, g, t, deterministic, window)
             raw[e, g, :t] = head_inclusion(xs[g], masks[g], policy.design, int(alloc[g]),
