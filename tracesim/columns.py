@@ -50,8 +50,9 @@ COLUMN_DOCS: dict[str, str] = {
                     "a full layer",
     # configuration
     "config_id": "stable id of the policy (score|design|correction|budget|schedule)",
-    "score": "importance score (streaming, h2o, snapkv, tova, knorm, vnorm, keyformer, "
-             "random, oracle, full, the kvpress ports, or a plugin's name)",
+    "score": "importance score (streaming, h2o, snapkv, tova, knorm, vnorm, keyformer, vase, "
+             "headroles, tangram, perstep, random, oracle, full, the kvpress ports, or a "
+             "plugin's name)",
     "design": "inclusion design (topk, poisson, bernoulli, fixed; none for full)",
     "correction": "estimator correction: hajek or none",
     "budget": "budget value: a fraction of the compressible range or a token count; null "
