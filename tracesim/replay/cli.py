@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from tracesim.designs import DESIGNS
 from tracesim.policies import SCORES
@@ -48,8 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "replay", help="replay eviction policies over a trace store (Parquet results)",
         description="Replay every score x design x budget combination (comma-separated "
-        "lists form a grid) over a trace store and write OUT/replay.parquet, "
-        "OUT/configs.json and a printed summary. See docs/replay.md.",
+        "lists form a grid) over a trace store and write the results dataset OUT/results/ "
+        "(parts/, manifest.json, summary.json, configs.json; a rerun resumes) and a printed "
+        "summary. See docs/replay.md and docs/sweeps.md.",
         epilog="example:\n  tracesim replay traces/ --score snapkv,h2o --design topk,poisson "
         "--budget 0.1,0.25,0.5 --seeds 16 --out replay-out/")
     p.add_argument("traces", metavar="TRACES", help="trace store directory")
@@ -235,17 +235,16 @@ def _check_args(args: argparse.Namespace) -> Path:
 
     check_output(args.out, [("trace store", args.traces)])
     out = check_out_dir(args.out)
-    if out.exists() and (out / "replay.parquet").is_dir():
-        raise UsageError(f"--out {out}: replay.parquet is a directory, expected a file name")
-    from tracesim.atomic import check_file_targets
-
-    check_file_targets(out, list(OUTPUT_FILES))  # before hours of replay, not after
+    results = out / "results"
+    if results.is_symlink() or (results.exists() and not results.is_dir()):
+        raise UsageError(f"--out {out}: results is not a directory, expected the results "
+                         "dataset directory (or nothing)")
     return out
 
 
-#: The files of one replay output, committed together; the summary (which records the
-#: results' row count and sha256) last.
-OUTPUT_FILES = ("replay.parquet", "configs.json", "summary.json")
+#: The single files earlier versions wrote; removed once the results dataset that replaces
+#: them is published (a reader would otherwise find two results in one directory).
+LEGACY_FILES = ("replay.parquet", "configs.json", "summary.json")
 
 
 #: Largest ``--seeds`` (each seed is one replay of every randomized policy).
@@ -256,9 +255,10 @@ def run_replay(args: argparse.Namespace) -> int:
     """Run the ``replay`` subcommand; return an exit code.
 
     Arguments are checked before anything is opened; the output directory is locked for the
-    run; ``replay.parquet``, ``configs.json`` and ``summary.json`` are staged and committed as
-    one unit (:func:`tracesim.atomic.atomic_files`), the summary last with the results' row
-    count and sha256; a failed run leaves the previous three files byte-identical.
+    run; the results are the dataset ``OUT/results`` (one part per sequence, written as it
+    finishes, with ``manifest.json``, ``summary.json`` and ``configs.json``;
+    :mod:`tracesim.dataset`), swapped in as one unit once complete: a failed run leaves the
+    previous results as they were, and a rerun of the same command resumes its parts.
     """
     from tracesim.atomic import DirLock, remove_stale_tmp
     from tracesim.store import StoreError, open_store
@@ -291,58 +291,61 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -> int:
-    from tracesim.atomic import atomic_files, atomic_parquet
-    from tracesim.integrity import results_record
-    from tracesim.replay import ReplayOptions, iter_replay, result_schema
+    from dataclasses import asdict
+
+    from tracesim import __version__
+    from tracesim.digests import prereg_record
+    from tracesim.replay import ReplayOptions
+    from tracesim.replay.results import store_identity, write_replay_dataset
+    from tracesim.sweep.dataset import read_dataset
 
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite, precision=args.precision,
                             bootstrap=args.bootstrap)
-    from tracesim.digests import prereg_record
-
     # hashed before any result is written: a prereg that cannot be read (a FIFO, a /proc
     # file) fails the run while the earlier outputs are still the earlier run's
     prereg_doc = prereg_record(None, args.traces)
-    path = out / "replay.parquet"
+    # what the rows depend on: a rerun with the same inputs resumes, anything else restarts
+    run_doc = {"tool": "replay", "version": __version__, "store": store_identity(store),
+               "policies": [p.id for p in policies], "seeds": args.seeds,
+               "layers": args.layers, "sequences": args.sequences, "per_seed": args.per_seed,
+               "options": asdict(options)}
     t0 = time.perf_counter()
     skipped: list[str] = []
+    configs = json.dumps([json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1)
+
+    def summary_doc(record: dict) -> dict:
+        return {"store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
+                "wall_time_s": time.perf_counter() - t0, "skipped_damaged": skipped,
+                "prereg": prereg_doc, **record}
+
     try:
-        # all three files or none: a failure writing any of them leaves the earlier set
-        with atomic_files(out, list(OUTPUT_FILES)) as stage:
-            with atomic_parquet(stage / "replay.parquet",
-                                result_schema(options.bootstrap > 0)) as writer:
-                for batch in iter_replay(store, policies, seeds=args.seeds, layers=args.layers,
-                                         sequences=args.sequences, per_seed=args.per_seed,
-                                         progress=not args.no_progress, options=options,
-                                         skip_damaged=getattr(args, "skip_damaged", False),
-                                         skipped=skipped):
-                    writer.write_batch(batch)
-            with pq.ParquetFile(stage / "replay.parquet") as fh:
-                n_rows = fh.metadata.num_rows
-            if n_rows == 0:  # e.g. every sequence skipped as damaged
-                raise ValueError(f"{args.traces}: the replay produced 0 rows (skipped: "
-                                 f"{len(skipped)} damaged sequence(s)), expected at least one "
-                                 "row; the earlier results are kept")
-            (stage / "configs.json").write_text(json.dumps(
-                [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
-            elapsed = time.perf_counter() - t0
-            (stage / "summary.json").write_text(json.dumps({
-                "store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
-                "wall_time_s": elapsed, "skipped_damaged": skipped, "prereg": prereg_doc,
-                **results_record(stage / "replay.parquet", n_rows, (p.id for p in policies))},
-                indent=1))
+        n_rows, resumed = write_replay_dataset(
+            out, store, policies, seeds=args.seeds, layers=args.layers,
+            sequences=args.sequences, per_seed=args.per_seed, options=options,
+            run_doc=run_doc, summary_doc=summary_doc,
+            extra_files={"configs.json": configs.encode()}, progress=not args.no_progress,
+            skip_damaged=getattr(args, "skip_damaged", False), skipped=skipped)
     except ValueError as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
+    elapsed = time.perf_counter() - t0
+    for name in LEGACY_FILES:  # superseded by results/ (written by an earlier version)
+        (out / name).unlink(missing_ok=True)
     for msg in skipped:
         print(f"tracesim replay: skipped damaged sequence: {msg}", file=sys.stderr)
-    with pq.ParquetFile(path) as fh:  # not read_table, which imports pandas via pyarrow.dataset
-        table = fh.read(columns=[
-            "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",
-            "wald_cov", "wald_t_cov", "kept_tokens", "nominal_tokens", "evicted_mass",
-            "n_seeds", "sequence_id"])
+    if resumed:
+        print(f"tracesim replay: resumed: {resumed} part(s) of an interrupted run of the same "
+              "command were kept", file=sys.stderr)
+    from tracesim.sweep.dataset import dataset_parts
+
+    results = out / "results"
+    table = read_dataset(dataset_parts(results), columns=[
+        "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",
+        "wald_cov", "wald_t_cov", "kept_tokens", "nominal_tokens", "evicted_mass",
+        "n_seeds", "sequence_id"])
     print(summary_table(table, policies))
     n_seq = len(pc.unique(table["sequence_id"]))
-    print(f"\n{table.num_rows} rows ({len(policies)} policies, {n_seq} sequence(s), "
-          f"{args.seeds} seeds) in {elapsed:.1f} s -> {path}")
+    print(f"\n{n_rows} rows ({len(policies)} policies, {n_seq} sequence(s), "
+          f"{args.seeds} seeds) in {elapsed:.1f} s -> {results}/ (parts/, manifest.json)")
     return 0
