@@ -89,6 +89,9 @@ def run_peers(args: argparse.Namespace) -> int:
         store = open_store(args.traces, require_rows=True)
         layers = _layers(args.layers, store.model.n_layers)
         refuse_attention_variants(store, layers, "tracesim peers")
+        from tracesim.atomic import check_file_targets
+
+        check_file_targets(out, list(LEGACY_FILES))  # removed once the new results are in
         for name in ("results/manifest.json", *LEGACY_FILES):
             if (out / name).exists() and not args.overwrite:
                 raise ValueError(f"{out / name} exists; expected a new --out or --overwrite")

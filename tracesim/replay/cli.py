@@ -239,6 +239,9 @@ def _check_args(args: argparse.Namespace) -> Path:
     if results.is_symlink() or (results.exists() and not results.is_dir()):
         raise UsageError(f"--out {out}: results is not a directory, expected the results "
                          "dataset directory (or nothing)")
+    from tracesim.atomic import check_file_targets
+
+    check_file_targets(out, list(LEGACY_FILES))  # removed once the new results are in
     return out
 
 
