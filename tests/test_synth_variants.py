@@ -90,4 +90,4 @@ def test_peers_refuse_variant_layers_before_any_work(variant_store, tmp_path,
                "--quiet"])
     err = capsys.readouterr().err
     assert rc == 2 and "layer 0" in err and "layer_attention" in err, err
-    assert not (tmp_path / "p" / "peers.parquet").exists()
+    assert not (tmp_path / "p" / "results").exists()
