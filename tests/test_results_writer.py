@@ -214,3 +214,29 @@ def test_dask_duckdb_and_pandas_read_the_parts_directly(runs):
     assert row[0] == n and row[1] == pytest.approx(total, rel=1e-12)
     df = pd.read_parquet(parts, columns=["err2"])
     assert len(df) == n and df.err2.sum() == pytest.approx(total, rel=1e-12)
+
+
+def test_scale_benchmark_builder_writes_a_dataset_the_readers_verify(tmp_path):
+    import importlib.util
+
+    from tests.sweep_fixtures import build_sweep_store
+    from tracesim.sweep import run_sweep
+
+    build_sweep_store(tmp_path / "store", n_seqs=2, n_layers=1)
+    (tmp_path / "spec.yaml").write_text(
+        "store: store\nlayers: all\ngrid:\n  score: [snapkv]\n  design: [topk, poisson]\n"
+        "  budget: [0.5]\n  score_params:\n    '*': {window: 6}\nseeds: 2\noutput: out\n")
+    run_sweep(tmp_path / "spec.yaml", workers=1, out=tmp_path / "sweep", progress=False)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_report_scale.py"
+    spec = importlib.util.spec_from_file_location("bench_report_scale", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base = read_results(tmp_path / "sweep")
+    rows = bench.scale(tmp_path / "sweep", tmp_path / "scaled", 3)
+    scaled = read_results(tmp_path / "scaled")  # verified part by part, keys unique
+    assert rows == scaled.num_rows == 3 * base.num_rows
+    seqs = set(scaled["sequence_id"].to_pylist())
+    assert seqs == {f"{s}{t}" for s in set(base["sequence_id"].to_pylist())
+                    for t in ("", "~r1", "~r2")}
+    assert pa.compute.sum(scaled["err2"]).as_py() == pytest.approx(
+        3 * pa.compute.sum(base["err2"]).as_py(), rel=1e-12)
