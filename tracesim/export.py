@@ -1,7 +1,9 @@
 """``tracesim export RESULTS``: results as CSV or as a hive-partitioned Parquet dataset.
 
-A sweep's ``results.parquet`` is one file with one row per (sequence, layer, head, query,
-configuration); large sweeps are easier to query as a dataset partitioned by ``score``,
+A sweep's or replay's results are a dataset of parts (``results/parts``, verified part by part
+and exported as one table in row order; the single ``results.parquet`` / ``replay.parquet`` of
+earlier versions also reads), one row per (sequence, layer, head, query, configuration); large
+sweeps are easier to query as a dataset partitioned by ``score``,
 ``design`` and ``budget`` (``OUT/score=snapkv/design=poisson/budget=0.25/part-0.parquet``),
 which ``pyarrow.dataset``, DuckDB and polars read with partition pruning. CSV is for tools
 without Parquet support. See ``docs/export.md``.
