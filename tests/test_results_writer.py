@@ -240,3 +240,17 @@ def test_scale_benchmark_builder_writes_a_dataset_the_readers_verify(tmp_path):
                     for t in ("", "~r1", "~r2")}
     assert pa.compute.sum(scaled["err2"]).as_py() == pytest.approx(
         3 * pa.compute.sum(base["err2"]).as_py(), rel=1e-12)
+
+
+def test_printed_summary_is_aggregated_batch_by_batch(runs):
+    from tracesim.replay.cli import SUMMARY_COLUMNS, summary_table
+
+    root, _ = runs
+    table = read_results(root / "one", list(SUMMARY_COLUMNS))
+    whole = summary_table(table)
+    assert summary_table(table.to_batches(max_chunksize=7)) == whole
+    df = table.to_pandas()
+    for design, g in df.groupby("design"):  # one configuration per design here
+        line = next(x for x in whole.splitlines() if f" {design} " in x)
+        assert format(g["err2"].mean(), "10.4g") in line
+        assert f"{g['err2'].count():>6}" in line

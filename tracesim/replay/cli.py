@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -112,31 +113,65 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_replay)
 
 
-def summary_table(table: pa.Table, policies: list | None = None) -> str:
+#: Columns the printed summary averages per configuration.
+SUMMARY_MEANS = ("err2", "rel_err", "cert2", "wald_cov", "wald_t_cov", "kept_tokens",
+                 "nominal_tokens", "evicted_mass")
+#: Columns the printed summary reads.
+SUMMARY_COLUMNS = ("config_id", "score", "design", "correction", "budget", *SUMMARY_MEANS,
+                   "n_seeds", "sequence_id")
+
+
+def summary_table(batches: pa.Table | Iterable[pa.RecordBatch], policies: list | None = None,
+                  ) -> str:
     """Mean error, certificate and coverage per policy, as aligned text; with ``policies``, a
     last column names each per-step score's proxy and whether it is deployable
-    (``quant:4 (deployable)``, ``exact (not deployable)``) and marks the oracle."""
+    (``quant:4 (deployable)``, ``exact (not deployable)``) and marks the oracle.
+
+    ``batches`` (a table, or record batches read part by part) are aggregated one batch at a
+    time: sums and counts per configuration, never the whole table."""
     from tracesim.policies.cli_grid import proxy_label
 
     labels = {p.id: proxy_label(p.score) for p in policies or ()}
-    import pyarrow.compute as pc  # not Table.group_by: Acero pulls in pyarrow.dataset and pandas
-
-    means = ("err2", "rel_err", "cert2", "wald_cov", "wald_t_cov", "kept_tokens",
-             "nominal_tokens", "evicted_mass")
-    from tracesim.columns import to_arrow
-
-    # Row indices built from numpy buffers: converting Python values would import pandas too.
-    groups: dict[str, list[int]] = {}
-    for i, cid in enumerate(table["config_id"].to_pylist()):
-        groups.setdefault(cid, []).append(i)
+    if isinstance(batches, pa.Table):
+        batches = batches.to_batches()
+    # per configuration, in order of first appearance: its first row's labels, then sums and
+    # counts of the non-null values of each mean column (null = not applicable)
+    acc: dict[str, dict] = {}
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        enc = pc.dictionary_encode(batch.column("config_id"))
+        idx = enc.indices.to_numpy(zero_copy_only=False)
+        cids = enc.dictionary.to_pylist()
+        n = len(cids)
+        first = np.full(n, batch.num_rows)
+        np.minimum.at(first, idx, np.arange(batch.num_rows))
+        for j, cid in enumerate(cids):
+            if cid not in acc:
+                row = {k: batch.column(k)[int(first[j])].as_py()
+                       for k in ("score", "design", "correction", "budget")}
+                acc[cid] = {"row": row, "sum": dict.fromkeys(SUMMARY_MEANS, 0.0),
+                            "n": dict.fromkeys(SUMMARY_MEANS, 0), "n_seeds_max": 0}
+        for k in SUMMARY_MEANS:
+            col = batch.column(k)
+            valid = col.is_valid().to_numpy(zero_copy_only=False)
+            vals = pc.fill_null(pc.cast(col, pa.float64()), 0.0).to_numpy(zero_copy_only=False)
+            sums = np.bincount(idx[valid], weights=vals[valid], minlength=n)
+            counts = np.bincount(idx[valid], minlength=n)
+            for j, cid in enumerate(cids):
+                acc[cid]["sum"][k] += float(sums[j])
+                acc[cid]["n"][k] += int(counts[j])
+        seeds_max = np.zeros(n, dtype=np.int64)
+        np.maximum.at(seeds_max, idx, pc.fill_null(batch.column("n_seeds"), 0)
+                      .to_numpy(zero_copy_only=False).astype(np.int64))
+        for j, cid in enumerate(cids):
+            acc[cid]["n_seeds_max"] = max(acc[cid]["n_seeds_max"], int(seeds_max[j]))
     rows = []
-    for idx in groups.values():
-        sub = table.take(to_arrow("index", np.asarray(idx, dtype=np.int64), pa.int64()))
-        row = {k: sub[k][0].as_py() for k in ("score", "design", "correction", "budget")}
-        row["proxy"] = labels.get(table["config_id"][idx[0]].as_py(), "")
-        row.update({f"{k}_mean": pc.mean(sub[k]).as_py() for k in means})
-        row.update(n_seeds_max=pc.max(sub["n_seeds"]).as_py(),
-                   err2_count=pc.count(sub["err2"]).as_py())
+    for cid, a in acc.items():
+        row = dict(a["row"], proxy=labels.get(cid, ""), n_seeds_max=a["n_seeds_max"],
+                   err2_count=a["n"]["err2"])
+        row.update({f"{k}_mean": a["sum"][k] / a["n"][k] if a["n"][k] else None
+                    for k in SUMMARY_MEANS})
         rows.append(row)
     rows.sort(key=lambda r: (r["score"], r["budget"] is None, r["budget"] or 0.0, r["design"]))
     head = (f"{'score':<10} {'design':<9} {'corr':<5} {'budget':>6} {'kept':>7} {'err2':>10} "
@@ -300,7 +335,6 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
     from tracesim.digests import prereg_record
     from tracesim.replay import ReplayOptions
     from tracesim.replay.results import store_identity, write_replay_dataset
-    from tracesim.sweep.dataset import read_dataset
 
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite, precision=args.precision,
@@ -340,15 +374,21 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
     if resumed:
         print(f"tracesim replay: resumed: {resumed} part(s) of an interrupted run of the same "
               "command were kept", file=sys.stderr)
+    import pyarrow.parquet as pq
+
     from tracesim.sweep.dataset import dataset_parts
 
     results = out / "results"
-    table = read_dataset(dataset_parts(results), columns=[
-        "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",
-        "wald_cov", "wald_t_cov", "kept_tokens", "nominal_tokens", "evicted_mass",
-        "n_seeds", "sequence_id"])
-    print(summary_table(table, policies))
-    n_seq = len(pc.unique(table["sequence_id"]))
-    print(f"\n{n_rows} rows ({len(policies)} policies, {n_seq} sequence(s), "
+    sequences: set[str] = set()
+
+    def batches():  # part by part, one record batch at a time
+        for path in dataset_parts(results):
+            with pq.ParquetFile(path) as f:
+                for batch in f.iter_batches(columns=list(SUMMARY_COLUMNS)):
+                    sequences.update(pc.unique(batch.column("sequence_id")).to_pylist())
+                    yield batch
+
+    print(summary_table(batches(), policies))
+    print(f"\n{n_rows} rows ({len(policies)} policies, {len(sequences)} sequence(s), "
           f"{args.seeds} seeds) in {elapsed:.1f} s -> {results}/ (parts/, manifest.json)")
     return 0
