@@ -177,7 +177,8 @@ def main() -> None:
         rows_out.append(res)
         print(f"{rows:>12,} rows  rc={res['rc']}  {res['seconds']:8.1f} s  "
               f"{res['rows_per_s'] or 0:>10,} rows/s  peak {res['peak_mb']:8.1f} MB "
-              f"({res['processes']} process(es)) {res['stderr_tail']}", flush=True)
+              f"({res['processes']} process(es)); built in {res['build_s']} s "
+              f"{res['stderr_tail']}", flush=True)
         shutil.rmtree(d, ignore_errors=True)
     if args.json:
         print(json.dumps(rows_out, indent=1))
