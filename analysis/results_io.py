@@ -176,7 +176,9 @@ def load_outcomes(directory: str | Path, *, trust_unsigned: bool = False,
 
 
 def load_peers(directories: list[str | Path] | tuple[str | Path, ...]) -> pd.DataFrame:
-    """The ``peers.parquet`` tables of ``tracesim peers`` output directories, in order.
+    """The ``peers.parquet`` tables of ``tracesim peers`` output directories, in order: their
+    results dataset (``results/``, verified part by part against its signed summary) or the
+    single ``peers.parquet`` of earlier versions.
 
     Each table must hold the columns C10 reads (:data:`PEER_CLAIM_COLUMNS`) and, where the
     directory has its ``peers.json``, the row count recorded there. ``tracesim peers`` records
@@ -190,6 +192,13 @@ def load_peers(directories: list[str | Path] | tuple[str | Path, ...]) -> pd.Dat
     frames = []
     for directory in directories:
         d = Path(directory)
+        if (d / "results" / "manifest.json").is_file():  # the results dataset of tracesim peers
+            from tracesim.dataset import read_results
+
+            frames.append(read_results(d, PEER_CLAIM_COLUMNS, required={
+                "sequence_id": "string", "peer_bound_ok": "floating",
+                "peer_den_ok": "floating", "kept_tokens": "floating"}).to_pandas())
+            continue
         path = d / "peers.parquet"
         if not path.is_file():
             raise ValueError(f"{d}: no peers.parquet, expected a tracesim peers output "

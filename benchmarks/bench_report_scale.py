@@ -3,9 +3,13 @@ rows built from a real sweep.
 
 The rows are a real sweep's results dataset replicated: copy ``r`` of every part renames each
 sequence ``s`` to ``s~r<r>`` (new clusters, so every result key and every (store, sequence,
-layer, configuration) cell stays unique), keeps the part's task record, and the manifest and
-summary are re-recorded (new sha256s) so the report verifies the scaled dataset as it verifies
-a sweep's. One part is in memory at a time while building.
+layer, configuration) cell stays unique), re-keys the part's record (its key-value metadata)
+and the manifest and summary are re-recorded (new sha256s), so the report verifies the scaled
+dataset as it verifies a sweep's. Sequences are renamed rather than seeds shifted: rows
+aggregated over seeds, and every row of a deterministic policy, have a null seed, so shifting
+seeds alone cannot make their keys unique. Building streams: copy 0 is hard-linked, the others
+are rewritten one row group at a time, and the disk is checked first (~72 bytes a row: 10^8
+rows need ~7 GB).
 
 Each size runs ``tracesim report`` in a child process; its peak memory is the sum over the
 process tree of each process's ``VmHWM`` (read from ``/proc`` every 0.2 s while it runs, the
@@ -14,7 +18,7 @@ last value kept per process), an upper bound of the tree's simultaneous peak.
 Usage::
 
     tracesim sweep data/sweeps/example.yaml --out /tmp/ex          # a real sweep (~550k rows)
-    python benchmarks/bench_report_scale.py /tmp/ex --rows 1e6 1e7 [--work DIR] [--json]
+    python benchmarks/bench_report_scale.py /tmp/ex --rows 1e6 1e7 1e8 [--work DIR] [--json]
 
 Times taken on a loaded machine are not speed results; memory peaks are.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -38,29 +43,60 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tracesim.dataset import META_KEY  # noqa: E402
 from tracesim.digests import sha256_file  # noqa: E402
 
 
+def _renamed(part: dict, r: int) -> tuple[str, str]:
+    """Sequence id and task key of copy ``r`` of a part (copy 0 is the part itself)."""
+    return ((part["sequence_id"] + f"~r{r}", part["key"] + f"~r{r}") if r
+            else (part["sequence_id"], part["key"]))
+
+
+def _copy_part(src: Path, dst: Path, part: dict, r: int) -> None:
+    """Copy ``r`` of a part, rewritten row group by row group (one row group in memory) with
+    its sequence renamed and its record (the file's key-value metadata) re-keyed."""
+    if r == 0:
+        try:
+            os.link(src, dst)  # the part itself: no rewrite needed
+        except OSError:
+            shutil.copyfile(src, dst)
+        return
+    seq, key = _renamed(part, r)
+    with pq.ParquetFile(src) as f:
+        meta = json.loads(f.metadata.metadata[META_KEY])
+        meta.update(key=key, sequence_id=seq)
+        schema = f.schema_arrow.remove_metadata()
+        i = schema.get_field_index("sequence_id")
+        with pq.ParquetWriter(dst, schema, compression="zstd") as w:
+            for g in range(f.num_row_groups):
+                t = f.read_row_group(g).replace_schema_metadata(None)
+                t = t.set_column(i, schema.field(i), pc.binary_join_element_wise(
+                    t["sequence_id"], pa.scalar(f"~r{r}"), ""))
+                w.write_table(t)
+            w.add_key_value_metadata({META_KEY: json.dumps(meta, sort_keys=True)})
+
+
 def scale(sweep: Path, out: Path, copies: int) -> int:
-    """Write ``copies`` renamed copies of ``sweep``'s dataset as a sweep output ``out``."""
+    """Write ``copies`` renamed copies of ``sweep``'s dataset as a sweep output ``out``,
+    streaming: one row group in memory, the manifest entries only (not the rows)."""
     src = sweep / "results"
     man = json.loads((src / "manifest.json").read_text())
+    need = copies * sum((src / p["file"]).stat().st_size for p in man["parts"])
     (out / "results" / "parts").mkdir(parents=True)
+    free = shutil.disk_usage(out).free
+    if need > 0.9 * free:
+        raise SystemExit(f"{out}: {copies} copies need ~{need / 1e9:.1f} GB, only "
+                         f"{free / 1e9:.1f} GB free there; choose another --work")
     shutil.copy(sweep / "configs.json", out / "configs.json")
     parts, width = [], max(5, len(str(copies * len(man["parts"]))))
     for r in range(copies):
         for part in man["parts"]:
             name = f"parts/part-{len(parts):0{width}d}.parquet"
-            f = pq.ParquetFile(src / part["file"])
-            t = f.read()
-            if r:
-                i = t.schema.get_field_index("sequence_id")
-                t = t.set_column(i, t.schema.field(i),
-                                 pc.binary_join_element_wise(t["sequence_id"],
-                                                             pa.scalar(f"~r{r}"), ""))
-            pq.write_table(t, out / "results" / name, compression="zstd")
+            _copy_part(src / part["file"], out / "results" / name, part, r)
+            seq, key = _renamed(part, r)
             parts.append(dict(part, file=name, sha256=sha256_file(out / "results" / name),
-                              sequence_id=part["sequence_id"] + (f"~r{r}" if r else "")))
+                              sequence_id=seq, key=key))
     rows = man["n_rows"] * copies
     man.update(parts=parts, n_rows=rows, n_parts=len(parts))
     (out / "results" / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True))
@@ -141,7 +177,8 @@ def main() -> None:
         rows_out.append(res)
         print(f"{rows:>12,} rows  rc={res['rc']}  {res['seconds']:8.1f} s  "
               f"{res['rows_per_s'] or 0:>10,} rows/s  peak {res['peak_mb']:8.1f} MB "
-              f"({res['processes']} process(es)) {res['stderr_tail']}", flush=True)
+              f"({res['processes']} process(es)); built in {res['build_s']} s "
+              f"{res['stderr_tail']}", flush=True)
         shutil.rmtree(d, ignore_errors=True)
     if args.json:
         print(json.dumps(rows_out, indent=1))

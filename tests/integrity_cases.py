@@ -116,6 +116,23 @@ def _tampered(src: Path, dst: Path, edit, *, resign: bool) -> str:
     return str(dst)
 
 
+def _as_earlier_version(out: Path) -> None:
+    """Rewrite a replay output as the single files earlier versions wrote (``replay.parquet``,
+    ``configs.json``, ``summary.json`` with its record): the family-7 edits target that
+    layout, which every reader still reads (the dataset's own edits: test_results_dataset)."""
+    from tracesim.dataset import read_results
+    from tracesim.integrity import RECORD_FIELDS, sign_results
+
+    res = out / "results"
+    pq.write_table(read_results(out), out / "replay.parquet")
+    shutil.copyfile(res / "configs.json", out / "configs.json")
+    summary = {k: v for k, v in json.loads((res / "summary.json").read_text()).items()
+               if k not in RECORD_FIELDS}
+    (out / "summary.json").write_text(json.dumps(summary))
+    sign_results(out / "replay.parquet")
+    shutil.rmtree(res)
+
+
 def _set(table: pa.Table, name: str, values: pa.Array) -> pa.Table:
     return table.set_column(table.schema.get_field_index(name), name, values)
 
@@ -128,6 +145,7 @@ def build_inputs(root: Path) -> dict[str, str]:
     # family 5: earlier replay outputs with one file of the set replaced by a directory
     r0 = root / "replay"
     _cli(["replay", str(store), *_REPLAY, "--budget", "0.5", "--out", str(r0)])
+    _as_earlier_version(r0)
     for name in ("configs.json", "summary.json"):
         d = root / f"blocked-{name}"
         shutil.copytree(r0, d)
@@ -136,6 +154,7 @@ def build_inputs(root: Path) -> dict[str, str]:
         out[f"blocked-{name}"] = str(d)
     other = root / "replay-other"  # the same store under another budget: foreign rows
     _cli(["replay", str(store), *_REPLAY, "--budget", "0.3", "--out", str(other)])
+    _as_earlier_version(other)
     for name in ("frontier.md", "validity_rules.json"):
         d = root / f"frontier-{name}"
         d.mkdir()

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from tests.fault_mutations import BASE_SPEC, spec_mutations, store_mutations
 from tests.replay_fixtures import build_store
 from tracesim.app.cli import main as cli_main
+from tracesim.dataset import read_results
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--layers", "0", "--seeds", "2", "--window", "8", "--score", "snapkv",
@@ -88,7 +88,13 @@ def base(tmp_path_factory):
     ref = root / "ref"
     code, err, _ = _run_cli(["replay", str(store), *ARGS, "--out", str(ref)], limit=None)
     assert code == 0, err
-    return root, store, pq.read_table(ref / "replay.parquet")
+    return root, store, read_results(ref)
+
+
+def _snapshot(out: Path) -> dict[str, bytes]:
+    """Every file of a replay's results dataset, by name (to compare byte for byte)."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted((out / "results").rglob("*"))
+            if p.is_file()}
 
 
 def _message_ok(msg: str, label: str) -> bool:
@@ -108,7 +114,7 @@ def test_mutated_stores_exit_2_naming_file_and_field(base, tmp_path):
                                     "--out", str(case / "out")])
         times.append(secs)
         if code == 0:
-            same = pq.read_table(case / "out" / "replay.parquet").equals(reference)
+            same = read_results(case / "out").equals(reference)
             bad.append(f"{name}: exit 0 ({'same' if same else 'DIFFERENT'} numbers)")
         elif code != 2 or not _message_ok(err, label):
             bad.append(f"{name}: exit {code}, message {err.strip()[-300:]!r}")
@@ -200,10 +206,10 @@ def test_rejected_command_keeps_earlier_results(base, tmp_path):
     root, store, reference = base
     out = tmp_path / "r1"
     assert _run_cli(["replay", str(store), *ARGS, "--out", str(out)])[0] == 0
-    before = (out / "replay.parquet").read_bytes()
+    before = _snapshot(out)
     code, err, _ = _run_cli(["replay", str(store), "--seeds", "0", "--out", str(out)])
     assert code == 2 and "--seeds" in err
-    assert (out / "replay.parquet").read_bytes() == before
+    assert _snapshot(out) == before
     (tmp_path / "afile").write_text("x")
     for argv in (["--out", str(tmp_path / "afile")], ["--threads", "100000", "--out", str(out)],
                  ["--threads", "0", "--out", str(out)]):
@@ -215,7 +221,7 @@ def test_disk_full_is_a_clean_error_and_loses_nothing(base, tmp_path, monkeypatc
     root, store, reference = base
     out = tmp_path / "full"
     assert _run_cli(["replay", str(store), *ARGS, "--out", str(out)])[0] == 0
-    before = (out / "replay.parquet").read_bytes()
+    before = _snapshot(out)
     import tracesim.atomic as atomic
 
     def no_space(fd):
@@ -225,7 +231,7 @@ def test_disk_full_is_a_clean_error_and_loses_nothing(base, tmp_path, monkeypatc
     code, err, _ = _run_cli(["replay", str(store), *ARGS, "--seeds", "3", "--out", str(out)])
     monkeypatch.undo()
     assert code == 2 and "disk full" in err and "Traceback" not in err
-    assert (out / "replay.parquet").read_bytes() == before
+    assert _snapshot(out) == before
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
     print("\n[faults] simulated ENOSPC: exit 2, earlier results intact, no temp file left")
 
@@ -244,7 +250,7 @@ def test_second_concurrent_writer_is_refused(base, tmp_path):
         spec.write_text(yaml.safe_dump(dict(BASE_SPEC, store=str(store))))
         code, err, _ = _run_cli(["sweep", str(spec), "--out", str(out), "--no-progress"])
         refused += code == 2 and "another" in err
-    assert not (out / "replay.parquet").exists()
+    assert not (out / "results").exists()
     # two real processes: the second is refused while the first runs
     env = dict(os.environ, PYTHONPATH=str(REPO))
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from tracesim.atomic "
@@ -265,7 +271,8 @@ def test_second_concurrent_writer_is_refused(base, tmp_path):
 
 def test_replay_sigkill_at_random_points_then_rerun(base, tmp_path):
     """Kill ``tracesim replay`` at seeded random times while it overwrites a good result;
-    the earlier file survives byte for byte, and the rerun equals an uninterrupted run."""
+    the earlier results survive byte for byte, and the rerun (resuming the parts written)
+    equals an uninterrupted run."""
     root, store, _ = base
     big = build_store(tmp_path / "big", n_seqs=4, n_layers=2, n_heads=4, n_kv=2, d=16, P=400,
                       prompt_length=380)
@@ -273,10 +280,10 @@ def test_replay_sigkill_at_random_points_then_rerun(base, tmp_path):
             "topk,poisson,bernoulli", "--budget", "0.2,0.4", "--no-progress"]
     ref = tmp_path / "ref"
     assert _run_cli(["replay", str(big), *args, "--out", str(ref)])[0] == 0
-    want = pq.read_table(ref / "replay.parquet")
+    want = read_results(ref)
     out = tmp_path / "out"
     assert _run_cli(["replay", str(big), *args, "--seeds", "2", "--out", str(out)])[0] == 0
-    earlier = (out / "replay.parquet").read_bytes()
+    earlier = _snapshot(out)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     rng = np.random.default_rng(7)
     killed = 0
@@ -286,18 +293,17 @@ def test_replay_sigkill_at_random_points_then_rerun(base, tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 240
         # wait until it is writing (its temp file exists), then a seeded random delay
-        while not list(out.glob(".replay.parquet.*.tmp")) and proc.poll() is None:
+        while not list(out.glob(".results.build/parts/*.tmp")) and proc.poll() is None:
             assert time.monotonic() < deadline, "replay never started writing"
             time.sleep(0.005)
         time.sleep(float(delay))
         killed += proc.poll() is None
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        assert (out / "replay.parquet").read_bytes() == earlier or \
-            pq.read_table(out / "replay.parquet").equals(want)
+        assert _snapshot(out) == earlier or read_results(out).equals(want)
     assert _run_cli(["replay", str(big), *args, "--out", str(out)])[0] == 0
-    assert pq.read_table(out / "replay.parquet").equals(want)
-    assert not list(out.glob(".*.tmp"))
+    assert read_results(out).equals(want)
+    assert not list(out.glob(".*.tmp")) and not (out / ".results.build").exists()
     print(f"\n[faults] replay SIGKILL: {killed} kill(s) mid-run; earlier file intact, rerun "
           "identical to the uninterrupted run")
 
@@ -316,11 +322,11 @@ def test_skip_damaged_replays_the_rest_and_debug_shows_tracebacks(base, tmp_path
     code, err, _ = _run_cli(["replay", str(case), *ARGS, "--skip-damaged",
                              "--out", str(tmp_path / "b")])
     assert code == 0 and "seq/seq0.arrow" in err
-    got = pq.read_table(tmp_path / "b" / "replay.parquet")
+    got = read_results(tmp_path / "b")
     assert set(got["sequence_id"].to_pylist()) == {"seq1"}
     want = reference.filter(reference["sequence_id"].to_numpy(zero_copy_only=False) == "seq1")
     assert got.equals(want)
-    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "b" / "results" / "summary.json").read_text())
     assert len(summary["skipped_damaged"]) == 1
     grid = tmp_path / "grid.yaml"
     grid.write_bytes(b"grid: \xff\n")

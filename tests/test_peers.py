@@ -271,17 +271,16 @@ def test_replay_peers_rows_and_reproducibility(tmp_path):
 
 
 def test_peers_cli_writes_results_and_refuses_bad_input(tmp_path, capsys):
-    import pyarrow.parquet as pq
-
     from tracesim.app.cli import main
+    from tracesim.dataset import read_results
 
     store = build_store(tmp_path / "s", n_seqs=1, n_layers=2)
     out = tmp_path / "out"
     argv = ["peers", str(store), "--peer", "quest,vattention", "--seeds", "2", "--layers",
             "1", "--params", '{"vattention": {"sinks": 4, "local": 8, "heavy": 4}}', "--quiet"]
     assert main([*argv, "--out", str(out)]) == 0
-    first = (out / "peers.parquet").read_bytes()
-    df = pq.read_table(out / "peers.parquet").to_pandas()
+    first = (out / "results" / "manifest.json").read_bytes()
+    df = read_results(out).to_pandas()
     assert set(df.peer) == {"quest", "vattention"} and set(df.layer) == {1}
     for bad, field in ((["--out", str(out)], "exists"), (["--out", ""], "--out"),
                        (["--out", str(store / "x")], "trace store"),
@@ -292,7 +291,7 @@ def test_peers_cli_writes_results_and_refuses_bad_input(tmp_path, capsys):
         assert main([*argv, *bad]) == 2, bad
         err = capsys.readouterr().err
         assert field in err and "expected" in err and "Traceback" not in err
-    assert (out / "peers.parquet").read_bytes() == first
+    assert (out / "results" / "manifest.json").read_bytes() == first
 
 
 def test_magicpig_codes_past_63_bits_and_typed_parameters(trace):

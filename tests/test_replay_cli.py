@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 from tests.replay_fixtures import build_store, synthetic_trace
 from tracesim.adversary import impossibility_demo
 from tracesim.app.cli import main as cli_main
+from tracesim.dataset import read_results
 from tracesim.policies import make_policy, policy_grid
 from tracesim.replay import METRICS, RESULT_COLUMNS, replay
 from tracesim.store import open_store
@@ -65,9 +65,9 @@ def test_replay_cli_writes_parquet_and_summary(store_path, tmp_path, capsys):
                      "topk,poisson", "--budget", "0.3,0.5", "--seeds", "3", "--window", "8",
                      "--no-progress", "--out", str(out)])
     assert code == 0
-    table = pq.read_table(out / "replay.parquet")
+    table = read_results(out)
     assert len(set(table["config_id"].to_pylist())) == 8
-    configs = json.loads((out / "configs.json").read_text())
+    configs = json.loads((out / "results" / "configs.json").read_text())
     assert len(configs) == 8 and all("id" in c for c in configs)
     printed = capsys.readouterr().out
     assert "snapkv" in printed and "poisson" in printed and "rows" in printed
@@ -113,9 +113,9 @@ def test_replay_cli_floor_oracle_and_new_columns(store_path, tmp_path, capsys):
                      "--mixture", "0.1", "--floor", "0.05", "--layers", "1",
                      "--no-progress", "--out", str(out)])
     assert code == 0
-    configs = json.loads((out / "configs.json").read_text())
+    configs = json.loads((out / "results" / "configs.json").read_text())
     assert {c["design"]["floor"] for c in configs} == {0.05}
-    df = pq.read_table(out / "replay.parquet").to_pandas()
+    df = read_results(out).to_pandas()
     assert (df["floor"] == 0.05).all()
     assert dict(df.groupby("score")["deployable"].first()) == {"oracle": False, "snapkv": True}
     mtw = df["max_tail_weight"]

@@ -1,7 +1,9 @@
 """``tracesim export RESULTS``: results as CSV or as a hive-partitioned Parquet dataset.
 
-A sweep's ``results.parquet`` is one file with one row per (sequence, layer, head, query,
-configuration); large sweeps are easier to query as a dataset partitioned by ``score``,
+A sweep's or replay's results are a dataset of parts (``results/parts``, verified part by part
+and exported as one table in row order; the single ``results.parquet`` / ``replay.parquet`` of
+earlier versions also reads), one row per (sequence, layer, head, query, configuration); large
+sweeps are easier to query as a dataset partitioned by ``score``,
 ``design`` and ``budget`` (``OUT/score=snapkv/design=poisson/budget=0.25/part-0.parquet``),
 which ``pyarrow.dataset``, DuckDB and polars read with partition pruning. CSV is for tools
 without Parquet support. See ``docs/export.md``.
@@ -79,6 +81,12 @@ def _open(source: Path) -> pq.ParquetFile:
         raise ExportError(f"{source}: not a readable Parquet file ({exc})") from None
 
 
+def _configs_json(manifest: Path) -> Path:
+    """The run's ``configs.json``: inside ``results/`` (replay, peers) or beside it (sweep)."""
+    here = manifest.parent / "configs.json"
+    return here if here.is_file() else manifest.parent.parent / "configs.json"
+
+
 def _source(source: Path, batch_rows: int) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """Schema and record batches of a results file, or of a results dataset's parts, in order
     (a dataset is verified part by part first, as the report verifies it)."""
@@ -93,7 +101,7 @@ def _source(source: Path, batch_rows: int) -> tuple[pa.Schema, Iterator[pa.Recor
     try:
         summary = read_json(summary_path, "results summary") if summary_path.is_file() else None
         parts, _ = verify_dataset(source.parent, summary if isinstance(summary, dict) else None,
-                                  summary_path, configs=source.parent.parent / "configs.json",
+                                  summary_path, configs=_configs_json(source),
                                   trust_unsigned=True, required={})
     except UsageError as exc:
         raise ExportError(str(exc)) from None

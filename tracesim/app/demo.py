@@ -199,20 +199,21 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
 def run_demo_peers(store: Any, scale: DemoScale, out: Path) -> Path:
     """Replay :data:`DEMO_PEERS` on the sweep's layers (``OUT/peers``, skipped when it holds
     these peers already) and print one line per peer."""
-    from tracesim.peers import make_peer, replay_peers
-    from tracesim.peers.cli import write_peers
+    from tracesim import __version__
+    from tracesim.dataset import read_results
+    from tracesim.peers import make_peer
+    from tracesim.peers.run import write_peers_dataset
     from tracesim.safeio import read_json
 
     peers = [make_peer(name, **params) for name, params in DEMO_PEERS]
     layers = list(range(0, store.model.n_layers, scale.layer_step))
-    done = out / "peers.json"
-    if not (done.is_file() and read_json(done, "peers record").get("peers")
-            == [p.label() for p in peers] and (out / "peers.parquet").is_file()):
-        table = replay_peers(store, peers, range(scale.peer_seeds), layers=layers)
-        write_peers(out, table, peers, scale.peer_seeds, layers)
-    import pyarrow.parquet as pq
-
-    df = pq.read_table(out / "peers.parquet").to_pandas()
+    done = out / "results" / "peers.json"
+    labels = [p.label() for p in peers]
+    if not (done.is_file() and read_json(done, "peers record").get("peers") == labels):
+        write_peers_dataset(out, store, peers, scale.peer_seeds, layers,
+                            run_doc={"tool": "peers", "version": __version__, "peers": labels,
+                                     "seeds": scale.peer_seeds, "layers": layers})
+    df = read_results(out).to_pandas()
     for label, g in df.groupby("config_id", sort=False):
         print(f"  kept {g['kept_tokens'].mean():7.1f}  mse {g['err2'].mean():9.3g}  "
               f"own bound held {g['peer_bound_ok'].mean():6.3f}  {label}")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-__all__ = ["register", "run_peers", "write_peers"]
+__all__ = ["LEGACY_FILES", "register", "run_peers"]
 
 _EPILOG = ("example:\n  tracesim peers traces/ --peer magicpig,vattention,quest --seeds 8 "
            "--layers 0:30:3 --out results/peers\n"
@@ -22,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Replay published sparse-attention methods at every decode step of a "
         "trace store, each as its reference code defines it (docs/peers.md), with its own "
         "guarantee checked where it states one and tracesim's certificate on its samples; "
-        "writes OUT/peers.parquet and OUT/peers.json.", epilog=_EPILOG,
+        "writes the results dataset OUT/results/ (parts/, manifest.json, summary.json, "
+        "peers.json; a rerun resumes).", epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", metavar="TRACES", help="trace store directory")
     p.add_argument("--peer", default="magicpig,vattention,quest",
@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", default=None, help="START:STOP:STEP or a comma-separated list "
                    "(default: every layer)")
     p.add_argument("--out", required=True, help="output directory (created)")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier peers.parquet")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace earlier peers results in --out")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run_peers)
 
@@ -58,10 +59,9 @@ def _peer_names(text: str) -> list[str]:
 
 def run_peers(args: argparse.Namespace) -> int:
     """Run ``peers``; 0 on success, 2 on a user error."""
-    from tracesim.atomic import check_file_targets
     from tracesim.errors import UsageError
     from tracesim.outpaths import check_output
-    from tracesim.peers import make_peer, replay_peers
+    from tracesim.peers import make_peer
     from tracesim.safeio import loads_json
     from tracesim.store import StoreError, open_store
 
@@ -70,7 +70,10 @@ def run_peers(args: argparse.Namespace) -> int:
 
         TIERS_SEEDS.check(args.seeds, "--seeds", ValueError)
         out = check_output(args.out, [("trace store", args.traces)])
-        check_file_targets(out, ["peers.parquet", "peers.json"])  # before the replay
+        results = out / "results"
+        if results.is_symlink() or (results.exists() and not results.is_dir()):
+            raise ValueError(f"{results}: is not a directory, expected the results dataset "
+                             "directory (or nothing)")
         params = loads_json(args.params, "--peer-params")
         if not isinstance(params, dict) or not all(isinstance(v, dict)
                                                    for v in params.values()):
@@ -84,33 +87,44 @@ def run_peers(args: argparse.Namespace) -> int:
             raise ValueError("--peer: expected at least one peer")
         store = open_store(args.traces, require_rows=True)
         layers = _layers(args.layers, store.model.n_layers)
-        if (out / "peers.parquet").exists() and not args.overwrite:
-            raise ValueError(f"{out / 'peers.parquet'} exists; expected a new --out or "
-                             "--overwrite")
-        table = replay_peers(store, peers, range(args.seeds), layers=layers,
-                             progress=not args.quiet)
+        from tracesim.atomic import check_file_targets
+
+        check_file_targets(out, list(LEGACY_FILES))  # removed once the new results are in
+        for name in ("results/manifest.json", *LEGACY_FILES):
+            if (out / name).exists() and not args.overwrite:
+                raise ValueError(f"{out / name} exists; expected a new --out or --overwrite")
     except (ValueError, StoreError, UsageError) as exc:
         print(f"tracesim peers: {exc}", file=sys.stderr)
         return 2
+    from tracesim import __version__
+    from tracesim.atomic import DirLock, remove_stale_tmp
+    from tracesim.digests import prereg_record
+    from tracesim.peers.run import write_peers_dataset
+
+    out.mkdir(parents=True, exist_ok=True)
     try:
-        write_peers(out, table, peers, args.seeds, layers)
-    except UsageError as exc:
+        lock = DirLock(out, "peers")
+    except ValueError as exc:  # another run writes there
         print(f"tracesim peers: {exc}", file=sys.stderr)
         return 2
-    print(f"{table.num_rows} rows -> {out / 'peers.parquet'}")
+    try:
+        remove_stale_tmp(out)
+        rows = write_peers_dataset(
+            out, store, peers, args.seeds, layers, progress=not args.quiet,
+            prereg=prereg_record(None, args.traces),
+            run_doc={"tool": "peers", "version": __version__,
+                     "peers": [p.label() for p in peers], "seeds": args.seeds,
+                     "layers": layers})
+    except (ValueError, UsageError) as exc:
+        print(f"tracesim peers: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        lock.release()
+    for name in LEGACY_FILES:  # superseded by results/ (written by an earlier version)
+        (out / name).unlink(missing_ok=True)
+    print(f"{rows} rows -> {out / 'results'}/ (parts/, manifest.json)")
     return 0
 
 
-def write_peers(out, table, peers: list, seeds: int, layers: list[int] | None) -> None:
-    """Write ``OUT/peers.parquet`` and ``OUT/peers.json`` (peer labels, seeds, layers, rows):
-    both files or neither, a failure leaving an earlier pair as it was."""
-    import pyarrow.parquet as pq
-
-    from tracesim.atomic import atomic_files
-
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_files(out, ["peers.parquet", "peers.json"]) as stage:
-        pq.write_table(table, stage / "peers.parquet")
-        (stage / "peers.json").write_text(json.dumps(
-            {"peers": [p.label() for p in peers], "seeds": seeds, "layers": layers,
-             "rows": table.num_rows}, indent=1))
+#: The files earlier versions wrote, removed once the results dataset replaces them.
+LEGACY_FILES = ("peers.parquet", "peers.json")

@@ -11,7 +11,8 @@ from scipy import special
 
 from tracesim.peers.base import Peer, StepInput
 
-__all__ = ["PEER_COLUMNS", "replay_peers", "step_inputs"]
+__all__ = ["PEERS_SCHEMA", "PEER_COLUMNS", "PEER_KEY_COLUMNS", "replay_peers", "step_inputs",
+           "write_peers_dataset"]
 
 #: Seconds without a progress line after which ``progress`` prints one per (peer, seed).
 PROGRESS_EVERY_S = 10.0
@@ -101,3 +102,51 @@ def replay_peers(store, peers: Sequence[Peer], seeds: Iterable[int], *,
                 print(f"  {sid} layer {layer}: done", flush=True)
                 last = time.monotonic()
     return pa.table(rows)
+
+
+#: Arrow type of every peers column (fixed, so every part has the same schema).
+PEERS_SCHEMA = pa.schema(
+    [("sequence_id", pa.string()), ("task", pa.string()), ("layer", pa.int64()),
+     ("head", pa.int64()), ("kv_head", pa.int64()), ("query_position", pa.int64()),
+     ("context_tokens", pa.int64()), ("peer", pa.string()), ("config_id", pa.string()),
+     ("seed", pa.int64())] + [(c, pa.float64()) for c in PEER_COLUMNS])
+#: Columns that identify one peers row.
+PEER_KEY_COLUMNS = ("sequence_id", "layer", "head", "query_position", "config_id", "seed")
+
+
+def write_peers_dataset(out, store, peers: Sequence[Peer], seeds: int,
+                        layers: Sequence[int] | None, *, run_doc: dict,
+                        progress: bool = False, prereg: dict | None = None) -> int:
+    """Replay ``peers`` into the results dataset ``OUT/results`` (:mod:`tracesim.dataset`):
+    one part per sequence written as it finishes, in the store's order, ``peers.json``
+    (labels, seeds, layers, rows) and the signed summary beside them; a rerun with the same
+    ``run_doc`` keeps the parts already written. Returns the rows."""
+    import json
+
+    from tracesim.dataset import PartWriter, publish, run_id_of, schema_doc
+    from tracesim.replay.results import store_identity
+
+    run_id = run_id_of({**run_doc, "store": store_identity(store)})
+    ids = [s.sequence_id for s in store]
+    writer = PartWriter(out, run_id, PEERS_SCHEMA, width=max(5, len(str(len(ids) - 1))))
+    entries = []
+    for i, sid in enumerate(ids):
+        key = f"peers/{sid}"
+        entry = writer.finished(i, key)
+        if entry is None:
+            table = replay_peers(store, peers, range(seeds), layers=layers, sequences=[sid],
+                                 progress=progress).cast(PEERS_SCHEMA)
+            entry = writer.write(i, key, table.to_batches(), store=store.path.resolve().name,
+                                 sequence_id=sid)
+        if entry is not None:
+            entries.append(entry)
+    rows = sum(e["rows"] for e in entries)
+    labels = [p.label() for p in peers]
+    record = {"peers": labels, "seeds": seeds, "layers": None if layers is None
+              else list(layers), "rows": rows}
+    return publish(out, writer.build, entries, schema=schema_doc(PEERS_SCHEMA),
+                   config_ids=labels, run={"run_id": run_id},
+                   summary_doc=lambda r: {"store": str(store.path), **record, "prereg": prereg,
+                                          **r},
+                   key_columns=PEER_KEY_COLUMNS,
+                   extra_files={"peers.json": json.dumps(record, indent=1).encode()})

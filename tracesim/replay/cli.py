@@ -6,12 +6,12 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from tracesim.designs import DESIGNS
 from tracesim.policies import SCORES
@@ -48,8 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "replay", help="replay eviction policies over a trace store (Parquet results)",
         description="Replay every score x design x budget combination (comma-separated "
-        "lists form a grid) over a trace store and write OUT/replay.parquet, "
-        "OUT/configs.json and a printed summary. See docs/replay.md.",
+        "lists form a grid) over a trace store and write the results dataset OUT/results/ "
+        "(parts/, manifest.json, summary.json, configs.json; a rerun resumes) and a printed "
+        "summary. See docs/replay.md and docs/sweeps.md.",
         epilog="example:\n  tracesim replay traces/ --score snapkv,h2o --design topk,poisson "
         "--budget 0.1,0.25,0.5 --seeds 16 --out replay-out/")
     p.add_argument("traces", metavar="TRACES", help="trace store directory")
@@ -112,31 +113,65 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_replay)
 
 
-def summary_table(table: pa.Table, policies: list | None = None) -> str:
+#: Columns the printed summary averages per configuration.
+SUMMARY_MEANS = ("err2", "rel_err", "cert2", "wald_cov", "wald_t_cov", "kept_tokens",
+                 "nominal_tokens", "evicted_mass")
+#: Columns the printed summary reads.
+SUMMARY_COLUMNS = ("config_id", "score", "design", "correction", "budget", *SUMMARY_MEANS,
+                   "n_seeds", "sequence_id")
+
+
+def summary_table(batches: pa.Table | Iterable[pa.RecordBatch], policies: list | None = None,
+                  ) -> str:
     """Mean error, certificate and coverage per policy, as aligned text; with ``policies``, a
     last column names each per-step score's proxy and whether it is deployable
-    (``quant:4 (deployable)``, ``exact (not deployable)``) and marks the oracle."""
+    (``quant:4 (deployable)``, ``exact (not deployable)``) and marks the oracle.
+
+    ``batches`` (a table, or record batches read part by part) are aggregated one batch at a
+    time: sums and counts per configuration, never the whole table."""
     from tracesim.policies.cli_grid import proxy_label
 
     labels = {p.id: proxy_label(p.score) for p in policies or ()}
-    import pyarrow.compute as pc  # not Table.group_by: Acero pulls in pyarrow.dataset and pandas
-
-    means = ("err2", "rel_err", "cert2", "wald_cov", "wald_t_cov", "kept_tokens",
-             "nominal_tokens", "evicted_mass")
-    from tracesim.columns import to_arrow
-
-    # Row indices built from numpy buffers: converting Python values would import pandas too.
-    groups: dict[str, list[int]] = {}
-    for i, cid in enumerate(table["config_id"].to_pylist()):
-        groups.setdefault(cid, []).append(i)
+    if isinstance(batches, pa.Table):
+        batches = batches.to_batches()
+    # per configuration, in order of first appearance: its first row's labels, then sums and
+    # counts of the non-null values of each mean column (null = not applicable)
+    acc: dict[str, dict] = {}
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        enc = pc.dictionary_encode(batch.column("config_id"))
+        idx = enc.indices.to_numpy(zero_copy_only=False)
+        cids = enc.dictionary.to_pylist()
+        n = len(cids)
+        first = np.full(n, batch.num_rows)
+        np.minimum.at(first, idx, np.arange(batch.num_rows))
+        for j, cid in enumerate(cids):
+            if cid not in acc:
+                row = {k: batch.column(k)[int(first[j])].as_py()
+                       for k in ("score", "design", "correction", "budget")}
+                acc[cid] = {"row": row, "sum": dict.fromkeys(SUMMARY_MEANS, 0.0),
+                            "n": dict.fromkeys(SUMMARY_MEANS, 0), "n_seeds_max": 0}
+        for k in SUMMARY_MEANS:
+            col = batch.column(k)
+            valid = col.is_valid().to_numpy(zero_copy_only=False)
+            vals = pc.fill_null(pc.cast(col, pa.float64()), 0.0).to_numpy(zero_copy_only=False)
+            sums = np.bincount(idx[valid], weights=vals[valid], minlength=n)
+            counts = np.bincount(idx[valid], minlength=n)
+            for j, cid in enumerate(cids):
+                acc[cid]["sum"][k] += float(sums[j])
+                acc[cid]["n"][k] += int(counts[j])
+        seeds_max = np.zeros(n, dtype=np.int64)
+        np.maximum.at(seeds_max, idx, pc.fill_null(batch.column("n_seeds"), 0)
+                      .to_numpy(zero_copy_only=False).astype(np.int64))
+        for j, cid in enumerate(cids):
+            acc[cid]["n_seeds_max"] = max(acc[cid]["n_seeds_max"], int(seeds_max[j]))
     rows = []
-    for idx in groups.values():
-        sub = table.take(to_arrow("index", np.asarray(idx, dtype=np.int64), pa.int64()))
-        row = {k: sub[k][0].as_py() for k in ("score", "design", "correction", "budget")}
-        row["proxy"] = labels.get(table["config_id"][idx[0]].as_py(), "")
-        row.update({f"{k}_mean": pc.mean(sub[k]).as_py() for k in means})
-        row.update(n_seeds_max=pc.max(sub["n_seeds"]).as_py(),
-                   err2_count=pc.count(sub["err2"]).as_py())
+    for cid, a in acc.items():
+        row = dict(a["row"], proxy=labels.get(cid, ""), n_seeds_max=a["n_seeds_max"],
+                   err2_count=a["n"]["err2"])
+        row.update({f"{k}_mean": a["sum"][k] / a["n"][k] if a["n"][k] else None
+                    for k in SUMMARY_MEANS})
         rows.append(row)
     rows.sort(key=lambda r: (r["score"], r["budget"] is None, r["budget"] or 0.0, r["design"]))
     head = (f"{'score':<10} {'design':<9} {'corr':<5} {'budget':>6} {'kept':>7} {'err2':>10} "
@@ -235,17 +270,19 @@ def _check_args(args: argparse.Namespace) -> Path:
 
     check_output(args.out, [("trace store", args.traces)])
     out = check_out_dir(args.out)
-    if out.exists() and (out / "replay.parquet").is_dir():
-        raise UsageError(f"--out {out}: replay.parquet is a directory, expected a file name")
+    results = out / "results"
+    if results.is_symlink() or (results.exists() and not results.is_dir()):
+        raise UsageError(f"--out {out}: results is not a directory, expected the results "
+                         "dataset directory (or nothing)")
     from tracesim.atomic import check_file_targets
 
-    check_file_targets(out, list(OUTPUT_FILES))  # before hours of replay, not after
+    check_file_targets(out, list(LEGACY_FILES))  # removed once the new results are in
     return out
 
 
-#: The files of one replay output, committed together; the summary (which records the
-#: results' row count and sha256) last.
-OUTPUT_FILES = ("replay.parquet", "configs.json", "summary.json")
+#: The single files earlier versions wrote; removed once the results dataset that replaces
+#: them is published (a reader would otherwise find two results in one directory).
+LEGACY_FILES = ("replay.parquet", "configs.json", "summary.json")
 
 
 #: Largest ``--seeds`` (each seed is one replay of every randomized policy).
@@ -256,9 +293,10 @@ def run_replay(args: argparse.Namespace) -> int:
     """Run the ``replay`` subcommand; return an exit code.
 
     Arguments are checked before anything is opened; the output directory is locked for the
-    run; ``replay.parquet``, ``configs.json`` and ``summary.json`` are staged and committed as
-    one unit (:func:`tracesim.atomic.atomic_files`), the summary last with the results' row
-    count and sha256; a failed run leaves the previous three files byte-identical.
+    run; the results are the dataset ``OUT/results`` (one part per sequence, written as it
+    finishes, with ``manifest.json``, ``summary.json`` and ``configs.json``;
+    :mod:`tracesim.dataset`), swapped in as one unit once complete: a failed run leaves the
+    previous results as they were, and a rerun of the same command resumes its parts.
     """
     from tracesim.atomic import DirLock, remove_stale_tmp
     from tracesim.store import StoreError, open_store
@@ -291,58 +329,66 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -> int:
-    from tracesim.atomic import atomic_files, atomic_parquet
-    from tracesim.integrity import results_record
-    from tracesim.replay import ReplayOptions, iter_replay, result_schema
+    from dataclasses import asdict
+
+    from tracesim import __version__
+    from tracesim.digests import prereg_record
+    from tracesim.replay import ReplayOptions
+    from tracesim.replay.results import store_identity, write_replay_dataset
 
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite, precision=args.precision,
                             bootstrap=args.bootstrap)
-    from tracesim.digests import prereg_record
-
     # hashed before any result is written: a prereg that cannot be read (a FIFO, a /proc
     # file) fails the run while the earlier outputs are still the earlier run's
     prereg_doc = prereg_record(None, args.traces)
-    path = out / "replay.parquet"
+    # what the rows depend on: a rerun with the same inputs resumes, anything else restarts
+    run_doc = {"tool": "replay", "version": __version__, "store": store_identity(store),
+               "policies": [p.id for p in policies], "seeds": args.seeds,
+               "layers": args.layers, "sequences": args.sequences, "per_seed": args.per_seed,
+               "options": asdict(options)}
     t0 = time.perf_counter()
     skipped: list[str] = []
+    configs = json.dumps([json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1)
+
+    def summary_doc(record: dict) -> dict:
+        return {"store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
+                "wall_time_s": time.perf_counter() - t0, "skipped_damaged": skipped,
+                "prereg": prereg_doc, **record}
+
     try:
-        # all three files or none: a failure writing any of them leaves the earlier set
-        with atomic_files(out, list(OUTPUT_FILES)) as stage:
-            with atomic_parquet(stage / "replay.parquet",
-                                result_schema(options.bootstrap > 0)) as writer:
-                for batch in iter_replay(store, policies, seeds=args.seeds, layers=args.layers,
-                                         sequences=args.sequences, per_seed=args.per_seed,
-                                         progress=not args.no_progress, options=options,
-                                         skip_damaged=getattr(args, "skip_damaged", False),
-                                         skipped=skipped):
-                    writer.write_batch(batch)
-            with pq.ParquetFile(stage / "replay.parquet") as fh:
-                n_rows = fh.metadata.num_rows
-            if n_rows == 0:  # e.g. every sequence skipped as damaged
-                raise ValueError(f"{args.traces}: the replay produced 0 rows (skipped: "
-                                 f"{len(skipped)} damaged sequence(s)), expected at least one "
-                                 "row; the earlier results are kept")
-            (stage / "configs.json").write_text(json.dumps(
-                [json.loads(p.to_json()) | {"id": p.id} for p in policies], indent=1))
-            elapsed = time.perf_counter() - t0
-            (stage / "summary.json").write_text(json.dumps({
-                "store": str(args.traces), "policies": len(policies), "seeds": args.seeds,
-                "wall_time_s": elapsed, "skipped_damaged": skipped, "prereg": prereg_doc,
-                **results_record(stage / "replay.parquet", n_rows, (p.id for p in policies))},
-                indent=1))
+        n_rows, resumed = write_replay_dataset(
+            out, store, policies, seeds=args.seeds, layers=args.layers,
+            sequences=args.sequences, per_seed=args.per_seed, options=options,
+            run_doc=run_doc, summary_doc=summary_doc,
+            extra_files={"configs.json": configs.encode()}, progress=not args.no_progress,
+            skip_damaged=getattr(args, "skip_damaged", False), skipped=skipped)
     except ValueError as exc:
         print(f"tracesim replay: {exc}", file=sys.stderr)
         return 2
+    elapsed = time.perf_counter() - t0
+    for name in LEGACY_FILES:  # superseded by results/ (written by an earlier version)
+        (out / name).unlink(missing_ok=True)
     for msg in skipped:
         print(f"tracesim replay: skipped damaged sequence: {msg}", file=sys.stderr)
-    with pq.ParquetFile(path) as fh:  # not read_table, which imports pandas via pyarrow.dataset
-        table = fh.read(columns=[
-            "config_id", "score", "design", "correction", "budget", "err2", "rel_err", "cert2",
-            "wald_cov", "wald_t_cov", "kept_tokens", "nominal_tokens", "evicted_mass",
-            "n_seeds", "sequence_id"])
-    print(summary_table(table, policies))
-    n_seq = len(pc.unique(table["sequence_id"]))
-    print(f"\n{table.num_rows} rows ({len(policies)} policies, {n_seq} sequence(s), "
-          f"{args.seeds} seeds) in {elapsed:.1f} s -> {path}")
+    if resumed:
+        print(f"tracesim replay: resumed: {resumed} part(s) of an interrupted run of the same "
+              "command were kept", file=sys.stderr)
+    import pyarrow.parquet as pq
+
+    from tracesim.sweep.dataset import dataset_parts
+
+    results = out / "results"
+    sequences: set[str] = set()
+
+    def batches():  # part by part, one record batch at a time
+        for path in dataset_parts(results):
+            with pq.ParquetFile(path) as f:
+                for batch in f.iter_batches(columns=list(SUMMARY_COLUMNS)):
+                    sequences.update(pc.unique(batch.column("sequence_id")).to_pylist())
+                    yield batch
+
+    print(summary_table(batches(), policies))
+    print(f"\n{n_rows} rows ({len(policies)} policies, {len(sequences)} sequence(s), "
+          f"{args.seeds} seeds) in {elapsed:.1f} s -> {results}/ (parts/, manifest.json)")
     return 0

@@ -19,7 +19,8 @@ from tracesim.kernels import replay_bootstrap as KBOOT
 from tracesim.policies import POLICY_COLUMNS
 from tracesim.replay.engine import LayerResult
 
-__all__ = ["BOOTSTRAP_COLUMNS", "METRICS", "RESULT_COLUMNS", "layer_batch", "result_schema"]
+__all__ = ["BOOTSTRAP_COLUMNS", "METRICS", "RESULT_COLUMNS", "layer_batch", "result_schema",
+           "store_identity", "write_replay_dataset"]
 
 #: Metric columns: name -> (kernel field or None, description). Means over seeds unless noted.
 #: The descriptions (and the order) are :data:`tracesim.columns.METRIC_DOCS`; the kernel
@@ -189,3 +190,76 @@ def result_schema(bootstrap: bool = False) -> pa.Schema:
     """Arrow schema of replay results, every field with its description; ``bootstrap`` adds
     :data:`BOOTSTRAP_COLUMNS` (``ReplayOptions.bootstrap > 0``)."""
     return describe_schema(pa.schema([pa.field(n, t) for n, t in _columns(bootstrap).items()]))
+
+
+def store_identity(store) -> dict[str, str]:
+    """What identifies a trace store's contents in a run id: the sha256 of its model and
+    manifest files (a store rebuilt in place gets another run id, so no part is resumed)."""
+    from pathlib import Path
+
+    from tracesim.digests import sha256_file
+    from tracesim.store.format import MANIFEST_FILE, MODEL_FILE
+
+    root = Path(store.path)
+    return {name: sha256_file(root / name, "trace store file")
+            for name in (MODEL_FILE, MANIFEST_FILE) if (root / name).is_file()}
+
+
+def write_replay_dataset(out, store, policies: list, *, seeds, layers, sequences, per_seed: bool,
+                         options, run_doc: dict, summary_doc, extra_files: dict[str, bytes],
+                         progress: bool = False, skip_damaged: bool = False,
+                         skipped: list[str] | None = None) -> tuple[int, int]:
+    """Replay into the results dataset ``OUT/results`` (:mod:`tracesim.dataset`): one part per
+    sequence, written as it finishes, in the order of the sequences (so the rows do not depend
+    on the number of threads); a rerun with the same ``run_doc`` (inputs and options) keeps the
+    parts already written. Returns (rows, parts resumed).
+
+    Raises
+    ------
+    ValueError
+        No rows at all (e.g. every sequence skipped as damaged); nothing is published then.
+    """
+    from tracesim.dataset import PartWriter, publish, run_id_of, schema_doc
+    from tracesim.replay import iter_replay
+
+    seq_ids = list(store.sequence_ids) if sequences is None else list(sequences)
+    schema = result_schema(options.bootstrap > 0)
+    run_id = run_id_of(run_doc)
+    writer = PartWriter(out, run_id, schema, width=max(5, len(str(len(seq_ids) - 1))))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(seq_ids), unit="sequence", desc="replay")
+    entries, resumed = [], 0
+    store_name = store.path.resolve().name
+    try:
+        for i, sid in enumerate(seq_ids):
+            key = f"replay/{sid}"
+            entry = writer.finished(i, key)
+            if entry is not None:
+                resumed += 1
+            else:
+                entry = writer.write(
+                    i, key, iter_replay(store, policies, seeds=seeds, layers=layers,
+                                        sequences=[sid], per_seed=per_seed, progress=False,
+                                        options=options, skip_damaged=skip_damaged,
+                                        skipped=skipped),
+                    store=store_name, sequence_id=sid)
+            if entry is not None:
+                entries.append(entry)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not entries:
+        raise ValueError(f"{store.path}: the replay produced 0 rows (skipped: "
+                         f"{len(skipped or [])} damaged sequence(s)), expected at least one "
+                         "row; the earlier results are kept")
+    from tracesim.integrity import KEY_COLUMNS
+
+    rows = publish(out, writer.build, entries, schema=schema_doc(schema),
+                   config_ids=[p.id for p in policies], run={"run_id": run_id},
+                   summary_doc=summary_doc, key_columns=KEY_COLUMNS, extra_files=extra_files)
+    return rows, resumed

@@ -33,27 +33,28 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tracesim.atomic import STAGE_PREFIX, TMP_SUFFIX, fsync_dir
+from tracesim.atomic import STAGE_PREFIX, TMP_SUFFIX
+from tracesim.dataset import (  # the one writer: constants re-exported for readers
+    DATASET_FORMAT,
+    DATASET_VERSION,
+    MANIFEST_FILE,
+    PARTS_DIR,
+    publish,
+    schema_doc,
+)
 from tracesim.errors import UsageError
 from tracesim.safeio import loads_json
 from tracesim.sweep.tasks import META_KEY, Task
 
 __all__ = ["DATASET_FORMAT", "MANIFEST_FILE", "PARTS_DIR", "dataset_columns", "dataset_parts",
-           "read_dataset",
-           "verify_dataset", "write_dataset"]
+           "read_dataset", "verify_dataset", "write_dataset"]
 
-#: ``format`` field of a results manifest (with ``version``).
-DATASET_FORMAT = "tracesim-results-dataset"
-DATASET_VERSION = 1
-MANIFEST_FILE = "manifest.json"
-PARTS_DIR = "parts"
 _PART_NAME = re.compile(r"^parts/part-[0-9]{5,9}\.parquet$")
 #: Largest manifest read (a part entry is ~300 bytes: ~10^6 parts).
 MAX_MANIFEST_BYTES = 512 << 20
 
 
-def _schema_doc(schema: pa.Schema) -> list[list[str]]:
-    return [[f.name, str(f.type)] for f in schema.remove_metadata()]
+_schema_doc = schema_doc
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -69,7 +70,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _part_meta(f: pq.ParquetFile, where: str) -> dict[str, Any]:
-    raw = (f.schema_arrow.metadata or {}).get(META_KEY)
+    raw = (f.metadata.metadata or {}).get(META_KEY)  # the file's key-value metadata
     if raw is None:
         raise UsageError(f"{where}: field {META_KEY.decode()!r} (Parquet metadata) is missing, "
                          "expected the task record a sweep worker writes")
@@ -96,8 +97,6 @@ def write_dataset(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[st
     OSError
         Writing failed (e.g. disk full); earlier results are left as they were.
     """
-    import json
-
     from tracesim.digests import sha256_file
 
     out_dir = Path(out_dir)
@@ -107,8 +106,6 @@ def write_dataset(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[st
     width = max(5, len(str(max(len(ordered) - 1, 0))))
     tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
     stage = out_dir / f"{STAGE_PREFIX}results.{tag}"
-    old = out_dir / f"{STAGE_PREFIX}old-results.{tag}"
-    results = out_dir / "results"
     try:
         (stage / PARTS_DIR).mkdir(parents=True)
         parts: list[dict[str, Any]] = []
@@ -136,39 +133,10 @@ def write_dataset(out_dir: Path, tasks: Sequence[Task], store_order: Sequence[st
                           "sequence_id": task.sequence_id, "layers": list(task.layers),
                           "config_ids": sorted(set(config_ids[a:b]))})
             rows += task.rows
-        manifest = {"format": DATASET_FORMAT, "version": DATASET_VERSION, **run,
-                    "n_rows": rows, "n_parts": len(parts),
-                    "config_ids": sorted(set(config_ids)), "schema": schema or [],
-                    "parts": parts}
-        (stage / MANIFEST_FILE).write_bytes(
-            (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-        record = {"results_file": MANIFEST_FILE,
-                  "results_sha256": sha256_file(stage / MANIFEST_FILE, "results manifest"),
-                  "n_rows": rows, "config_ids": manifest["config_ids"]}
-        (stage / "summary.json").write_bytes(
-            (json.dumps(summary_doc(record), indent=1, sort_keys=True) + "\n").encode())
-        for name in (MANIFEST_FILE, "summary.json"):
-            fd = os.open(stage / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(stage / PARTS_DIR)
-        fsync_dir(stage)
-        # swap: the earlier results move aside, the new set takes their name, the old goes
-        if results.exists() or results.is_symlink():
-            os.replace(results, old)
-        try:
-            os.replace(stage, results)
-        except BaseException:
-            if old.exists():
-                os.replace(old, results)
-            raise
-        fsync_dir(out_dir)
-        return rows
+        return publish(out_dir, stage, parts, schema=schema or [], config_ids=config_ids,
+                       run={"run_id": run["spec_hash"], **run}, summary_doc=summary_doc)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- reading
@@ -201,6 +169,9 @@ def _load_manifest(results_dir: Path) -> dict[str, Any]:
             for c in schema)):
         raise UsageError(f"{path}: field 'schema' is not a list of [name, type], expected the "
                          "schema of the parts")
+    keys = doc.get("key_columns", [])
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise _fail(path, "key_columns", keys, "a list of the column names that identify a row")
     seen: set[str] = set()
     for i, part in enumerate(parts):
         where = f"{path}: parts[{i}]"
@@ -301,6 +272,7 @@ def verify_dataset(results_dir: str | os.PathLike, summary: dict[str, Any] | Non
                              f"configuration(s) not in {configs} field 'configs' (e.g. "
                              f"{foreign[0]!r}), expected only the configurations that run "
                              "produced")
+    keys = tuple(manifest.get("key_columns") or KEY_COLUMNS)
     parts = manifest["parts"]
     on_disk = {p.name for p in (d / PARTS_DIR).glob("*")} if (d / PARTS_DIR).is_dir() else set()
     extra = sorted(on_disk - {Path(p["file"]).name for p in parts})
@@ -338,6 +310,12 @@ def verify_dataset(results_dir: str | os.PathLike, summary: dict[str, Any] | Non
             if meta.get("key") != part["key"]:
                 raise _fail(where, "key", meta.get("key"),
                             f"{part['key']!r} as {mpath.name} records (a part of another task)")
+            if "run_id" in manifest:
+                # a sweep's task files name their run by its spec hash
+                got = meta.get("run_id", meta.get("spec_hash"))
+                if got != manifest["run_id"]:
+                    raise _fail(where, "run_id", got, f"{manifest['run_id']!r} as "
+                                f"{mpath.name} records (a part of another run)")
             if "spec_hash" in manifest and meta.get("spec_hash") != manifest["spec_hash"]:
                 raise _fail(where, "spec_hash", meta.get("spec_hash"),
                             f"{manifest['spec_hash']!r} (a part of another sweep)")
@@ -353,7 +331,7 @@ def verify_dataset(results_dir: str | os.PathLike, summary: dict[str, Any] | Non
                     raise UsageError(f"{where}: column {col!r} has type {typ}, expected a "
                                      f"{kind} column")
             cols = [c for c in dict.fromkeys(("store", "sequence_id", "layer", "config_id",
-                                              *KEY_COLUMNS)) if c in names]
+                                              *keys)) if c in names]
             table = f.read(columns=cols)
         total += table.num_rows
         if table.num_rows == 0:
@@ -389,7 +367,7 @@ def verify_dataset(results_dir: str | os.PathLike, summary: dict[str, Any] | Non
                                      "expected each (store, sequence, layer, configuration) "
                                      "in one part (a part duplicated?)")
                 cells.add(cell)
-        _check_keys(table, path)
+        _check_keys(table, path, keys)
         paths.append(path)
     if total != manifest.get("n_rows"):
         raise _fail(mpath, "n_rows", manifest.get("n_rows"), f"{total} (the rows of its parts)")

@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tracesim.dataset import META_KEY  # the part record key (Parquet key-value metadata)
 from tracesim.digests import safe_file_stem
 from tracesim.policies import Policy
 from tracesim.policies.grid import SpecError
@@ -34,8 +35,6 @@ from tracesim.sweep.spec import SweepSpec, code_fingerprint, selected_sequences
 __all__ = ["META_KEY", "Task", "TaskPlan", "config_cost", "plan_tasks", "read_task_meta",
            "sweep_schema", "task_file_ok"]
 
-#: Parquet key-value metadata key of a task file (JSON: key, spec hash, rows, ...).
-META_KEY = b"tracesim.sweep.task"
 _N_FIELDS = 18          # per-(iteration, head, query) float64 fields of the kernel's output
 _ROW_BYTES = 8 * 64     # bytes per result row in flight (Arrow batch + numpy intermediates)
 
@@ -232,7 +231,7 @@ def plan_tasks(spec: SweepSpec) -> TaskPlan:
 def read_task_meta(path: Path) -> dict | None:
     """The task metadata of a finished task file, or None if it is missing or unreadable."""
     try:
-        md = pq.ParquetFile(path).schema_arrow.metadata or {}
+        md = pq.ParquetFile(path).metadata.metadata or {}
         return loads_json(md[META_KEY], f"{path}: metadata {META_KEY}")
     except (OSError, KeyError, ValueError, pa.ArrowException):
         return None

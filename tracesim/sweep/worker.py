@@ -260,7 +260,8 @@ def execute_task(task: Any, out_dir: str, spec_hash: str, threads: int) -> dict[
     store = _store(task.store_path)
     path = Path(out_dir) / task.path
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"key": task.key, "spec_hash": spec_hash, "rows": task.rows, "store": task.store,
+    meta = {"key": task.key, "spec_hash": spec_hash, "run_id": spec_hash, "rows": task.rows,
+            "store": task.store,
             "sequence_id": task.sequence_id, "layers": list(task.layers),
             "configs": list(task.configs)}
     schema = sweep_schema(options.bootstrap > 0).with_metadata({META_KEY: json.dumps(meta)})
