@@ -86,6 +86,24 @@ class SimHashProxy(Proxy):
         Kc = K - mu
         return mu, W, (Kc @ W) > 0, np.linalg.norm(Kc, axis=1)
 
+    def extend(self, previous, trace: LayerTrace, kv_head: int):
+        """The codes of an earlier step of the layer plus one code per appended token.
+
+        A token's code and norm read only its own key, the hyperplanes and the prompt's mean
+        key, so the codes of positions the previous step held are kept as they are (MagicPIG
+        hashes each key once, when it enters the cache). Rebuilt (None) when the prompt's mean
+        differs, i.e. ``previous`` is not of this layer's cache.
+        """
+        mu, W, codes, norms = previous
+        K = trace.keys[kv_head]
+        n = codes.shape[0]
+        if (n > K.shape[0] or W.shape != (K.shape[1], self.bits * self.tables)
+                or not np.array_equal(K[:trace.prompt_length].mean(axis=0), mu)):
+            return None
+        Kc = K[n:] - mu
+        return (mu, W, np.concatenate([codes, (Kc @ W) > 0]),
+                np.concatenate([norms, np.linalg.norm(Kc, axis=1)]))
+
     def logits(self, trace: LayerTrace, kv_head: int, queries: np.ndarray,
                end: int) -> np.ndarray:
         mu, W, codes, norms = self._cached(trace, kv_head, lambda: self._codes(trace, kv_head))
