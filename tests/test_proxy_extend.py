@@ -52,7 +52,7 @@ def test_carried_simhash_codes_equal_the_rebuilt_ones_and_are_not_rebuilt(trace,
         for g in range(trace.n_kv_heads):
             mu, W, c, n = carried[("proxy", proxy.spec(), g)]
             mu0, W0, c0, n0 = codes(proxy, fresh, g)
-            assert c.shape == (end + 1, 4 * 32)
+            assert c.shape == (end + 1, 4 * 32 // 8) and c.dtype == np.uint8
             np.testing.assert_array_equal(c, c0)
             np.testing.assert_array_equal(n, n0)
             np.testing.assert_array_equal(mu, mu0)
