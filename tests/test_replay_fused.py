@@ -60,8 +60,8 @@ def _policies():
 
 
 def test_fused_path_at_head_dim_64_matches_the_numpy_reference():
-    # d = 64 takes the compile-time loops; satterthwaite off, so units of few rows (per-step
-    # and decode:4 events) take the fused path and the one-shot event the BLAS one.
+    # d = 64 takes the compile-time loops; satterthwaite off, so the per-step units (one query
+    # x 3 heads) take the fused path and the one-shot events the BLAS one.
     trace = synthetic_trace(5, n_heads=6, n_kv=2, d=64, P=96, prompt_length=80)
     policies, seeds = _policies(), np.array([0, 1, 2])
     res = replay_layer(trace, policies, seeds, n_layers=4, options=ReplayOptions())
