@@ -11,6 +11,12 @@ per row.
 
 Usage: ``python benchmarks/bench_perstep.py [--positions 4096 --decode 64 --seeds 32
 --rounds 5 --proxy quant:4]``
+
+``--inloop-simhash`` times instead what the in-loop per-step design spends on its SimHash
+proxy (``simhash:10,150``) over ``--decode`` steps of one layer (3 KV heads): each step is a
+new trace of the cache ``[0, t]``, as ``tracesim.capture.inloop.perstep`` builds it, scored by
+the per-step score; codes carried from step to step (``carry``) alternate with codes rebuilt
+at every step (``rebuild``, the previous behaviour).
 """
 
 from __future__ import annotations
@@ -35,7 +41,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--proxy", default="quant:4")
+    ap.add_argument("--inloop-simhash", action="store_true",
+                    help="time the in-loop SimHash scoring, codes carried vs rebuilt")
     args = ap.parse_args(argv)
+    if args.inloop_simhash:
+        return inloop_simhash(args.positions, args.decode, args.rounds)
     from tracesim.policies import make_policy
     from tracesim.replay import ReplayOptions, replay_layer
 
@@ -64,6 +74,56 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.proxy}: per-step / prefill time per row = {ratio:.2f} (median of "
           f"{args.rounds} alternated rounds; prefill median {np.median(times['prefill']):.2f} s,"
           f" per-step {np.median(times['perstep']):.2f} s)")
+    return {"ratio": ratio, **times}
+
+
+def _step_trace(trace, end: int):
+    """The layer as the in-loop cache holds it at the step of position ``end``."""
+    from tracesim.layer_trace import LayerTrace
+
+    keep = trace.query_positions <= end
+    return LayerTrace(layer=trace.layer, keys=trace.keys[:, :end + 1].copy(),
+                      values=trace.values[:, :end + 1].copy(), queries=trace.queries[:, keep],
+                      h2o=trace.h2o[:, :end + 1].copy(),
+                      query_positions=trace.query_positions[keep],
+                      query_roles=[r for r, k in zip(trace.query_roles, keep, strict=True) if k],
+                      prompt_length=trace.prompt_length, question_start=trace.question_start,
+                      scale=trace.scale)
+
+
+def inloop_simhash(positions: int, steps: int, rounds: int) -> dict:
+    """Seconds per layer of in-loop SimHash scoring over ``steps`` steps, carried vs rebuilt."""
+    from tracesim.policies import make_score
+    from tracesim.proxies.base import carry_summaries, proxy_summaries
+
+    score = make_score("perstep", proxy="simhash:10,150")
+    trace = long_layer(positions, n_decode=steps)
+    ends = [int(t) for t, r in zip(trace.query_positions, trace.query_roles, strict=True)
+            if r == "decode"]
+
+    def run(carry: bool) -> float:
+        held: dict = {}
+        t0 = time.perf_counter()
+        for end in ends:
+            step = _step_trace(trace, end)
+            if carry:
+                carry_summaries(held, step)
+            for g in range(step.n_kv_heads):
+                score.scores(step, g, end)
+            held = proxy_summaries(step)
+        return time.perf_counter() - t0
+
+    run(True)
+    times: dict[str, list[float]] = {"carry": [], "rebuild": []}
+    for r in range(rounds):
+        for name in ("carry", "rebuild"):
+            times[name].append(run(name == "carry"))
+        print(f"round {r + 1}: carried {times['carry'][-1]:.2f} s, rebuilt "
+              f"{times['rebuild'][-1]:.2f} s; load {load_average()}", flush=True)
+    ratio = median_ratio(times["rebuild"], times["carry"])
+    print(f"in-loop simhash:10,150, P = {positions}, {len(ends)} steps x 3 KV heads: rebuilt / "
+          f"carried = {ratio:.1f}x (median of {rounds} alternated rounds; carried median "
+          f"{np.median(times['carry']):.2f} s, rebuilt {np.median(times['rebuild']):.2f} s)")
     return {"ratio": ratio, **times}
 
 

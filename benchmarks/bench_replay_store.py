@@ -13,6 +13,10 @@ one policy (default SnapKV + Poisson, Hájek, 25 % budget) x 32 seeds. Three run
 
 Usage: ``python benchmarks/bench_replay_store.py [STORE] [--seeds 32] [--rounds 3]``
 (default store: ``data/sample-traces``).
+
+Issue 31's one configuration, self-contained (a synthetic SmolLM2-shaped store of 30 layers and
+1,024 positions with 7 decode queries is written to a temporary directory first, untimed):
+``python benchmarks/bench_replay_store.py --synth 1024 --decode 7 --rounds 5``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sequences", type=int, default=1, help="first N sequences")
+    ap.add_argument("--synth", type=int, default=0, metavar="POSITIONS",
+                    help="replay a synthetic SmolLM2-shaped store of this many positions "
+                         "(written to a temporary directory first) instead of STORE")
+    ap.add_argument("--decode", type=int, default=7, help="decode queries of --synth")
     args = ap.parse_args(argv)
+    if args.synth:
+        import tempfile
+
+        from tracesim.synth.store import SynthConfig, write_synthetic_store
+
+        tmp = tempfile.TemporaryDirectory(prefix="bench-store-")
+        args.store = str(write_synthetic_store(
+            Path(tmp.name) / "store", SynthConfig(positions=args.synth, decode=args.decode)))
     import numba
     import torch
 

@@ -86,11 +86,13 @@ def test_simhash_logits_do_not_depend_on_the_code_chunk(monkeypatch):
     whole = proxy.logits(trace, 1, q, 90)
     # the unchunked formula, written out
     mu, W, codes, norms = proxy._codes(trace, 1)
-    qc, c = ((q @ W) > 0).astype(float), codes[:90].astype(float)
+    # codes are packed 8 bits to a byte
+    qc = ((q @ W) > 0).astype(float)
+    c = np.unpackbits(codes, axis=1)[:90, :W.shape[1]].astype(float)
     agree = qc @ c.T + (1 - qc) @ (1 - c).T
     ref = (np.linalg.norm(q, axis=1)[:, None] * norms[None, :90]
            * np.cos(np.pi * (1 - agree / W.shape[1])) + (q @ mu)[:, None]) * trace.scale
     np.testing.assert_array_equal(whole, ref)
-    for chunk_bytes in (8 * 128 * 7, 1):  # 7 positions at a time, then one
+    for chunk_bytes in (2 * 16 * 7, 1):  # 7 positions (2 queries x 16 bytes) at a time, then one
         monkeypatch.setattr(sh, "CODE_CHUNK_BYTES", chunk_bytes)
         np.testing.assert_array_equal(proxy.logits(trace, 1, q, 90), whole)

@@ -29,6 +29,7 @@ from tracesim.capture.inloop.prn_torch import layer_uniforms_torch
 
 from tracesim.layer_trace import LayerTrace
 from tracesim.policies import Policy
+from tracesim.proxies.base import carry_summaries, proxy_summaries
 from tracesim.replay.kept import event_inclusion
 
 __all__ = ["STEP_COLUMNS", "PerStepState", "step_columns", "step_trace"]
@@ -128,6 +129,9 @@ class PerStepState(EvictionState):
         self._answer_positions = None if span is None else span.positions
         self.answer_kept: list[np.ndarray] = []
         self.answer_pi: list[np.ndarray] = []
+        # Per layer: the proxy summaries of its last step, extended at the next one (SimHash
+        # codes are built once per layer, then one appended per token).
+        self._proxy_summaries: dict[int, dict] = {}
 
     def before_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor) -> None:
@@ -137,12 +141,14 @@ class PerStepState(EvictionState):
         t = kv_len - 1
         trace = step_trace(self.prefill.traces[layer], self.layers.get(layer), query[0, :, 0],
                            key[0], value[0])
+        carry_summaries(self._proxy_summaries.get(layer, {}), trace)
         # Fresh coordination draws the step's own stream inside event_inclusion; permanent
         # uses stream 0, from the torch port as the one-shot path does.
         uniforms = None if self.policy.schedule.fresh else layer_uniforms_torch(
             self.seed, trace.layer, trace.n_kv_heads, trace.n_positions)
         pi, kept = event_inclusion(trace, self.policy, self.seed, self.n_layers, t,
                                    uniforms=uniforms)
+        self._proxy_summaries[layer] = proxy_summaries(trace)
         self.plans[layer] = LayerPlan.for_policy(pi, kept, self.policy)
         if not self.step_positions or self.step_positions[-1] != t:
             self.step_positions.append(t)

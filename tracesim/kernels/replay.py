@@ -39,6 +39,7 @@ from tracesim.kernels.replay_events import (
     event_kept,
     largest_sampled_out,
 )
+from tracesim.kernels.replay_fused import FUSED_ROWS, fused_products, weight_rows
 from tracesim.kernels.replay_operands import IterationOutputs, KeptUnit
 from tracesim.kernels.replay_output_space import group_variance, layer_error
 from tracesim.kernels.replay_rows import cross_sums, row_sums, tail_sums, trace_sq
@@ -109,7 +110,16 @@ def _unit(layer, ev, osp, cert, unit, res):
     # the take-all part of X and Z is the event's, shared by all seeds: only the sampled tail
     # is this seed's own work. Take-all columns of We and Vk are not needed beyond X and Z.
     shared = m - mt == nta
-    We, Vk, X, Z = estimate_block(E, Vg, qrows, g, G, kept_idx, mt if shared else m, inv)
+    mest = mt if shared else m
+    # Few rows (a per-step event: one query): the value products in one pass over the kept
+    # rows in place (tracesim.kernels.replay_fused), else gather them once for BLAS.
+    fused = R <= FUSED_ROWS and not want_trv2
+    if fused:
+        We, Z = weight_rows(E, qrows, g, G, kept_idx, mest, inv, Vg)
+        Vk = np.empty((0, d), Vg.dtype)
+        X = np.empty((0, d), Vg.dtype)  # from fused_products below
+    else:
+        We, Vk, X, Z = estimate_block(E, Vg, qrows, g, G, kept_idx, mest, inv)
     if shared:
         for a in range(nqe):
             for hh in range(G):
@@ -194,7 +204,9 @@ def _unit(layer, ev, osp, cert, unit, res):
                     sx[rx, 0] = s0
                     sx[rx, 1] = s1
                     x += 1
-    if tail:
+    if fused:
+        X, TD, XF = fused_products(Vg, kept_idx, mest, mt, We, Wd, Wxf)
+    elif tail:
         # One GEMM gives both sum (1-pi) w^2 v and sum (1-pi) w^2 v^2 (Wald diagonal).
         VV = np.empty((mt, 2 * d), Vg.dtype)
         for j in range(mt):

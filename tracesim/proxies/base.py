@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the policies import the proxies, not the other way round
     from tracesim.layer_trace import LayerTrace
 
 
-__all__ = ["Proxy"]
+__all__ = ["Proxy", "carry_summaries", "proxy_summaries"]
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,41 @@ class Proxy:
         """
         raise NotImplementedError
 
+    def extend(self, previous, trace: LayerTrace, kv_head: int):
+        """Subclass hook: this KV head's summary of ``trace`` from ``previous``, the summary of
+        the same layer at an earlier decode step, or None to rebuild it (the default).
+
+        In the loop a decode step's trace is a new :class:`LayerTrace` whose cache appends to
+        the previous step's: a proxy whose per-token summary does not depend on later tokens
+        summarises only the appended positions (:func:`carry_summaries` hands it the previous
+        summary). The result must equal the rebuilt summary.
+        """
+        return None
+
     def _cached(self, trace: LayerTrace, kv_head: int, build):
-        """Per-(trace, proxy, KV head) summary, built once (every step of a layer reuses it)."""
+        """Per-(trace, proxy, KV head) summary, built once (every step of a layer reuses it),
+        or extended from an earlier step's summary carried in by :func:`carry_summaries`."""
         key = ("proxy", self.spec(), int(kv_head))
         cache = trace._attention_cache
         if key not in cache:
-            cache[key] = build()
+            previous = cache.pop((_PREVIOUS, *key[1:]), None)
+            summary = None if previous is None else self.extend(previous, trace, kv_head)
+            cache[key] = build() if summary is None else summary
         return cache[key]
+
+
+#: Cache-key tag of a summary carried from an earlier step (read once, then replaced).
+_PREVIOUS = "proxy-previous"
+
+
+def proxy_summaries(trace: LayerTrace) -> dict:
+    """The proxy summaries ``trace`` has built, to carry to the next step's trace."""
+    return {k: v for k, v in trace._attention_cache.items() if k[0] == "proxy"}
+
+
+def carry_summaries(summaries: dict, trace: LayerTrace) -> None:
+    """Offer ``summaries`` (from :func:`proxy_summaries` of the same layer at an earlier step,
+    whose cached keys are a prefix of ``trace``'s) to ``trace``'s proxies: each proxy extends
+    its own with :meth:`Proxy.extend` instead of rebuilding it."""
+    for (_, spec, kv_head), summary in summaries.items():
+        trace._attention_cache[(_PREVIOUS, spec, kv_head)] = summary

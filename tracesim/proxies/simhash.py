@@ -19,10 +19,9 @@ __all__ = ["MAX_HASH_BITS", "SimHashProxy", "hyperplanes"]
 #: Largest K * L accepted: the codes cost K * L bits per token, and the (d, K L) hyperplanes
 #: and (P, K L) codes are held in memory (4096 bits = 8x the fp16 keys of d = 64).
 MAX_HASH_BITS = 4096
-#: Bytes of the float64 copy of the codes made at a time when counting agreeing bits (64 MiB:
-#: 5,592 positions at K L = 1500). A step at 131k positions would otherwise convert all its
-#: codes at once, twice (1.6 GB each). The counts are exact integers in float64 whatever the
-#: chunking, so the logits do not depend on it.
+#: Bytes of the ``(queries, positions, K L / 8)`` XOR block made at a time when counting agreeing
+#: bits (64 MiB: 119k positions at 3 queries and K L = 1500). The counts are exact integers
+#: whatever the chunking, so the logits do not depend on it.
 CODE_CHUNK_BYTES = 64 << 20
 
 
@@ -84,22 +83,47 @@ class SimHashProxy(Proxy):
         mu = K[:trace.prompt_length].mean(axis=0)
         W = hyperplanes(trace.layer, kv_head, K.shape[1], self.bits * self.tables)
         Kc = K - mu
-        return mu, W, (Kc @ W) > 0, np.linalg.norm(Kc, axis=1)
+        return mu, W, _packed_signs(Kc @ W), np.linalg.norm(Kc, axis=1)
+
+    def extend(self, previous, trace: LayerTrace, kv_head: int):
+        """The codes of an earlier step of the layer plus one code per appended token.
+
+        A token's code and norm read only its own key, the hyperplanes and the prompt's mean
+        key, so the codes of positions the previous step held are kept as they are (MagicPIG
+        hashes each key once, when it enters the cache). Rebuilt (None) when the prompt's mean
+        differs, i.e. ``previous`` is not of this layer's cache.
+        """
+        mu, W, codes, norms = previous
+        K = trace.keys[kv_head]
+        n = codes.shape[0]
+        if (n > K.shape[0] or W.shape != (K.shape[1], self.bits * self.tables)
+                or not np.array_equal(K[:trace.prompt_length].mean(axis=0), mu)):
+            return None
+        Kc = K[n:] - mu
+        return (mu, W, np.concatenate([codes, _packed_signs(Kc @ W)]),
+                np.concatenate([norms, np.linalg.norm(Kc, axis=1)]))
 
     def logits(self, trace: LayerTrace, kv_head: int, queries: np.ndarray,
                end: int) -> np.ndarray:
         mu, W, codes, norms = self._cached(trace, kv_head, lambda: self._codes(trace, kv_head))
         q = np.asarray(queries, dtype=np.float64)
-        qcode = (q @ W) > 0  # (n, nb)
+        qcode = _packed_signs(q @ W)  # (n, nb / 8)
         nb = W.shape[1]
-        # agreements = matches of ones + matches of zeros, as two GEMMs over {0, 1}, over
-        # chunks of positions (sums of 0/1 products: exact, so chunking changes no bit)
-        qc = qcode.astype(np.float64)
-        agree = np.empty((qc.shape[0], end))
-        step = max(1, CODE_CHUNK_BYTES // (8 * nb))
+        # Disagreeing bits = popcount(q XOR code) over the packed codes (the zero padding of
+        # the last byte agrees); integers, so chunking the positions changes no bit.
+        agree = np.empty((qcode.shape[0], end))
+        step = max(1, CODE_CHUNK_BYTES // max(1, qcode.shape[0] * qcode.shape[1]))
         for a in range(0, end, step):
-            c = codes[a:min(end, a + step)].astype(np.float64)
-            agree[:, a:a + c.shape[0]] = qc @ c.T + (1.0 - qc) @ (1.0 - c).T
+            b = min(end, a + step)
+            differ = np.bitwise_count(qcode[:, None, :] ^ codes[None, a:b, :]).sum(
+                axis=2, dtype=np.int64)
+            agree[:, a:b] = nb - differ
         theta = np.pi * (1.0 - agree / nb)
         qn = np.linalg.norm(q, axis=1)[:, None]
         return (qn * norms[None, :end] * np.cos(theta) + (q @ mu)[:, None]) * trace.scale
+
+
+def _packed_signs(x: np.ndarray) -> np.ndarray:
+    """Sign bits ``x > 0`` of each row, packed 8 to a byte (``(rows, ceil(cols / 8))`` uint8):
+    a token's code costs ``K L / 8`` bytes in memory, as it would on a server."""
+    return np.packbits(x > 0, axis=1)
