@@ -31,7 +31,9 @@ from tracesim.analysis.claims import (
     ClaimInputs,
     ClaimResult,
     Fail,
+    certified_where,
     eviction_rows,
+    eviction_where,
 )
 from tracesim.analysis.cluster import cluster_proportions
 from tracesim.analysis.validity import (
@@ -61,6 +63,28 @@ def c8_rows(results: pd.DataFrame, claim: dict[str, Any]) -> pd.DataFrame:
         keep &= (results["deployable"].astype(bool) if "deployable" in results
                  else results["score"] != "oracle")
     return results[keep]
+
+
+def c8_read(results, claim: dict[str, Any]) -> pd.DataFrame:
+    """C8's rows from a :class:`~tracesim.analysis.aggregate.ResultsDataset`: the rule is
+    fitted and applied row by row (thresholds on each row's tail size, n_eff and largest
+    weight), so this is a filtered read of :func:`c8_rows`' rows of the eviction designs,
+    only the columns the rule, the split and the coverage event read."""
+    from tracesim.analysis.aggregate import notna, sql_in
+
+    settings = SplitSettings.from_claim(claim)
+    where = [eviction_where(results), certified_where(), notna(settings.coverage_column)
+             if settings.coverage_column in results else "FALSE"]
+    for key, value in claim.get("compare", {}).items():
+        if key in results:
+            where.append(sql_in(key, value if isinstance(value, list) else [value]))
+    if claim.get("deployable_only", True):
+        where.append("COALESCE(CAST(\"deployable\" AS BOOLEAN), FALSE)"
+                     if "deployable" in results else "\"score\" IS DISTINCT FROM 'oracle'")
+    return results.read(["sequence_id", "config_id", "certified", "cert2", "tail_size", "n_eff",
+                         "max_tail_weight", settings.coverage_column,
+                         "deployable" if "deployable" in results else "score"],
+                        " AND ".join(where))
 
 
 def evaluate_c8(results: pd.DataFrame, prereg,
@@ -140,7 +164,8 @@ def c8_claim(inputs: ClaimInputs) -> ClaimResult:
     rules = None
     if fdir is not None and (fdir / RULES_FILE).is_file():
         rules = load_rules(fdir / RULES_FILE)
-    c8, _ = evaluate_c8(inputs.results, inputs.prereg, rules)
+    c8, _ = evaluate_c8(c8_read(inputs.results, inputs.prereg.claims["C8"]), inputs.prereg,
+                        rules)
     if rules is not None:
         c8.detail += f"; rules from {fdir.name}/{RULES_FILE}"
     return c8
