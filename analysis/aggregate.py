@@ -37,7 +37,10 @@ __all__ = ["DEFAULT_MEMORY_LIMIT", "DEFAULT_THREADS", "ResultsDataset", "coverag
            "notna", "open_results", "quote", "sql_in"]
 
 #: DuckDB's memory limit for the report's queries (``TRACESIM_REPORT_MEMORY`` overrides it).
-DEFAULT_MEMORY_LIMIT = "512MB"
+DEFAULT_MEMORY_LIMIT = "256MB"
+#: Rows per batch of a filtered read: the batch's strings are held as text only while it is
+#: converted.
+READ_BATCH_ROWS = 1 << 18
 #: DuckDB's threads (``TRACESIM_REPORT_THREADS`` overrides; more threads may change the last
 #: bits of float sums, never a verdict).
 DEFAULT_THREADS = 1
@@ -152,22 +155,48 @@ class ResultsDataset:
             self._spill = None
 
     def query(self, sql: str) -> pd.DataFrame:
-        """A SQL query over the view ``results`` as a DataFrame (its result must be small, or
-        filtered to the rows a consumer needs)."""
-        import pyarrow as pa
-        import pyarrow.compute as pc
+        """A SQL query over the view ``results`` as a DataFrame (a small result: sums per
+        group, one row per configuration)."""
+        return self._fetch(sql, None)
 
-        table = self._connect().sql(sql).to_arrow_table()
-        out = {}
-        for name in table.column_names:
-            col = table[name]
-            table = table.drop_columns([name])  # one column's buffers at a time
-            if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-                # one str object per distinct value: a row holds a reference, not a copy
-                out[name] = pc.dictionary_encode(col).to_pandas().astype(object)
-            else:
-                out[name] = col.to_pandas()
-        return pd.DataFrame(out)
+    def _fetch(self, sql: str, total: int | None) -> pd.DataFrame:
+        """The result of ``sql``; with ``total`` (its row count) filled batch by batch into
+        arrays of that length."""
+        import pyarrow as pa
+
+        con = self._connect()
+        if total is None:
+            return _frame(con.sql(sql).to_arrow_table())
+        rel = con.sql(sql)
+        reader = (rel.to_arrow_reader(READ_BATCH_ROWS) if hasattr(rel, "to_arrow_reader")
+                  else rel.fetch_record_batch(READ_BATCH_ROWS))
+        # Each column is one array of the result's length, filled batch by batch: no list of
+        # pieces and no concatenation, so a read peaks at its result plus one batch.
+        out: dict[str, np.ndarray] = {}
+        at = 0
+        for batch in reader:
+            n = batch.num_rows
+            for name, col in zip(batch.schema.names, batch.columns, strict=True):
+                if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                    # one str object per distinct value and batch: a row holds a reference,
+                    # never its own copy of a long configuration id
+                    values = _shared_strings(col)
+                else:
+                    values = col.to_pandas().to_numpy()
+                have = out.get(name)
+                if have is None:
+                    have = out[name] = np.empty(total, dtype=values.dtype)
+                elif have.dtype != values.dtype and not np.can_cast(values.dtype, have.dtype):
+                    have = out[name] = have.astype(np.result_type(have.dtype, values.dtype)
+                                                   if values.dtype != object else object)
+                have[at:at + n] = values
+            at += n
+        if not out:
+            return reader.schema.empty_table().to_pandas()
+        # dtype object kept as it is: pandas would otherwise copy every row's text into its
+        # string dtype (Arrow buffers), the memory this read avoids
+        return pd.DataFrame({name: pd.Series(v, dtype=v.dtype, copy=False)
+                             for name, v in out.items()}, copy=False)
 
     def read(self, columns: Sequence[str], where: str | None = None) -> pd.DataFrame:
         """The rows matching ``where`` (SQL over the results columns; None: all), only
@@ -176,7 +205,8 @@ class ResultsDataset:
         sql = f"SELECT {', '.join(map(quote, cols))} FROM results"
         if where:
             sql += f" WHERE {where}"
-        return self.query(sql)
+        total = int(self._connect().sql(f"SELECT count(*) FROM ({sql})").fetchall()[0][0])
+        return self._fetch(sql, total)
 
     def sums(self, keys: Sequence[str], values: Sequence[str] = (), where: str | None = None,
              squares: bool = False) -> pd.DataFrame:
@@ -200,6 +230,28 @@ class ResultsDataset:
         sql = (f"SELECT {keyed}{', ' if names else ''}{', '.join(agg)} FROM ({inner}) "
                f"WHERE {nonnull} " + (f"GROUP BY {keyed} ORDER BY {keyed}" if names else ""))
         return self.query(sql)
+
+
+def _shared_strings(col) -> np.ndarray:
+    """An Arrow string array as an object array holding one ``str`` per distinct value (each
+    row a reference to it); nulls are None."""
+    import pyarrow.compute as pc
+
+    encoded = pc.dictionary_encode(col)
+    values = np.array([*encoded.dictionary.to_pylist(), None], dtype=object)
+    codes = pc.fill_null(encoded.indices, len(values) - 1).to_numpy(zero_copy_only=False)
+    return values[codes]
+
+
+def _frame(table) -> pd.DataFrame:
+    """A small Arrow result as a DataFrame, strings as Python objects."""
+    import pyarrow as pa
+
+    return pd.DataFrame({name: (pd.Series(_shared_strings(col.combine_chunks()), dtype=object)
+                                if pa.types.is_string(col.type)
+                                or pa.types.is_large_string(col.type) else col.to_pandas())
+                         for name, col in zip(table.column_names, table.columns, strict=True)}
+                        ) if table.num_columns else pd.DataFrame()
 
 
 def _settings() -> tuple[str, int]:

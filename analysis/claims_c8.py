@@ -62,7 +62,8 @@ def c8_rows(results: pd.DataFrame, claim: dict[str, Any]) -> pd.DataFrame:
     if claim.get("deployable_only", True):
         keep &= (results["deployable"].astype(bool) if "deployable" in results
                  else results["score"] != "oracle")
-    return results[keep]
+    # rows read already filtered (c8_read) are returned as they are, not copied
+    return results if keep.all() else results[keep]
 
 
 def c8_read(results, claim: dict[str, Any]) -> pd.DataFrame:
@@ -102,7 +103,8 @@ def evaluate_c8(results: pd.DataFrame, prereg,
     res = ClaimResult("C8", claim["hypothesis"])
     settings = SplitSettings.from_claim(claim)
     df = c8_rows(eviction_rows(results), claim)  # per-step rows are C9's
-    df = df[df[settings.coverage_column].notna()]
+    has = df[settings.coverage_column].notna()
+    df = df if has.all() else df[has]
     if df.empty:
         res.detail = "no certified deployable rows of the compared configurations"
         return res, {}

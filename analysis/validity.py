@@ -233,7 +233,8 @@ def fit_rules(df: pd.DataFrame, settings: SplitSettings) -> tuple[dict[str, Vali
     """One rule per certified configuration of ``df``; returns (rules, notes)."""
     rules: dict[str, ValidityRule] = {}
     notes: list[str] = []
-    cert = df[df["certified"].astype(bool) & df["cert2"].notna()]
+    keep = df["certified"].astype(bool) & df["cert2"].notna()
+    cert = df if keep.all() else df[keep]  # rows read already certified are not copied
     failed: list[str] = []
     for cid, g in cert.groupby("config_id", sort=True, observed=True):
         try:
