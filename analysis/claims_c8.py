@@ -40,6 +40,7 @@ from tracesim.analysis.validity import (
     SplitSettings,
     ValidityRule,
     apply_rules,
+    as_text,
     check_rules,
     fit_rules,
     load_rules,
@@ -114,7 +115,7 @@ def evaluate_c8(results: pd.DataFrame, prereg,
     if rules is None:
         rules, notes = fit_rules(df, settings)
     check_rules(rules, settings, held_ids)
-    held = df[df["sequence_id"].astype(str).isin(held_ids)]
+    held = df[as_text(df["sequence_id"]).isin(held_ids)]
     if held.empty or not rules:
         res.detail = (f"no held-out rows ({len(held_ids)} held-out of {len(split)} sequences) "
                       f"or no fitted rule")
@@ -132,7 +133,7 @@ def evaluate_c8(results: pd.DataFrame, prereg,
                       f"{len(held_ids)} sequences)")
         return res, rules
     y = held[settings.coverage_column].to_numpy(float)[mask]
-    seq = held["sequence_id"].astype(str).to_numpy()[mask]
+    seq = as_text(held["sequence_id"]).to_numpy()[mask]
     ci = cluster_proportions(y, seq, alpha=alpha).iloc[0]
     ci2 = cluster_proportions(y, seq, alpha=2 * alpha).iloc[0]
     res.estimate, res.ci_low, res.ci_high = float(ci["estimate"]), float(ci["ci_low"]), float(
