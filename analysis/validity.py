@@ -50,8 +50,8 @@ import pandas as pd
 from tracesim.atomic import atomic_write_bytes
 
 __all__ = ["DEFAULT_GRID", "SplitSettings", "ValidityRule", "ValidityRuleError", "apply_rules",
-           "as_text", "check_rules", "fit_rule", "fit_rules", "ids_hash", "load_rules", "save_rules",
-           "split_sequences"]
+           "as_text", "check_rules", "fit_rule", "fit_rules", "ids_hash", "load_rules",
+           "save_rules", "split_sequences"]
 
 #: Candidate thresholds when a pre-registration gives none.
 DEFAULT_GRID: dict[str, list[float]] = {
