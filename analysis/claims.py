@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["SUPPORTED", "NOT_SUPPORTED", "INCONCLUSIVE", "NOT_EVALUATED", "CERTIFICATES",
-           "INPUT_MISSING", "Claim", "ClaimInputs", "ClaimResult", "eviction_rows"]
+           "INPUT_MISSING", "Claim", "ClaimInputs", "ClaimResult", "certified_where",
+           "eviction_rows", "eviction_where"]
 
 SUPPORTED = "supported"
 NOT_SUPPORTED = "not supported"
@@ -88,8 +89,10 @@ class ClaimInputs:
         The validated pre-registration; ``prereg.claims[id]`` is a claim's own entry (typed
         ``Any`` here: :mod:`tracesim.analysis.prereg` reads the claims table, not the other way
         round).
-    results : pandas.DataFrame
-        Replay or sweep rows (columns in ``docs/columns.md``); empty when none were given.
+    results : tracesim.analysis.aggregate.ResultsDataset
+        Replay or sweep rows (columns in ``docs/columns.md``), read through DuckDB by each
+        claim (aggregates, or a filtered read of the rows it needs); empty when none were
+        given. A DataFrame given here is wrapped (:meth:`ResultsDataset.from_frame`).
     outcomes : pandas.DataFrame
         In-loop outcome rows of plain eviction (fetch runs are split off); empty when none.
     peers : pandas.DataFrame
@@ -106,13 +109,21 @@ class ClaimInputs:
     """
 
     prereg: Any
-    results: pd.DataFrame = field(default_factory=pd.DataFrame)
+    results: Any = field(default_factory=pd.DataFrame)
     outcomes: pd.DataFrame = field(default_factory=pd.DataFrame)
     peers: pd.DataFrame = field(default_factory=pd.DataFrame)
     adversary: dict[str, Any] | None = None
     traces_dir: Path | None = None
     frontier_dir: Path | None = None
     artifacts: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from tracesim.analysis.aggregate import ResultsDataset
+
+        # The claims ask the results questions in SQL (tracesim.analysis.aggregate): a table
+        # given in memory is asked the same questions.
+        if isinstance(self.results, pd.DataFrame):
+            self.results = ResultsDataset.from_frame(self.results)
 
     def given(self, name: str) -> bool:
         """Whether the input ``name`` (a key of :data:`INPUT_MISSING`) holds any row."""
@@ -171,3 +182,15 @@ def eviction_rows(results: pd.DataFrame) -> pd.DataFrame:
     # Without per-step rows the filter would copy the whole table for nothing; a shallow copy
     # (copy-on-write) holds the same rows in the same order.
     return results.copy(deep=False) if keep.all() else results[keep]
+
+
+def eviction_where(results: Any) -> str:
+    """SQL over the results (:class:`tracesim.analysis.aggregate.ResultsDataset`) keeping the
+    rows :func:`eviction_rows` keeps."""
+    return "\"schedule\" IS DISTINCT FROM 'step'" if "schedule" in results else "TRUE"
+
+
+def certified_where() -> str:
+    """SQL: certified rows with a certificate (``certified`` and ``cert2`` not missing)."""
+    return "COALESCE(CAST(\"certified\" AS BOOLEAN), FALSE) AND " + (
+        "(\"cert2\" IS NOT NULL AND NOT isnan(\"cert2\"))")

@@ -31,13 +31,16 @@ from tracesim.analysis.claims import (
     ClaimInputs,
     ClaimResult,
     Fail,
+    certified_where,
     eviction_rows,
+    eviction_where,
 )
 from tracesim.analysis.cluster import cluster_proportions
 from tracesim.analysis.validity import (
     SplitSettings,
     ValidityRule,
     apply_rules,
+    as_text,
     check_rules,
     fit_rules,
     load_rules,
@@ -60,7 +63,30 @@ def c8_rows(results: pd.DataFrame, claim: dict[str, Any]) -> pd.DataFrame:
     if claim.get("deployable_only", True):
         keep &= (results["deployable"].astype(bool) if "deployable" in results
                  else results["score"] != "oracle")
-    return results[keep]
+    # rows read already filtered (c8_read) are returned as they are, not copied
+    return results if keep.all() else results[keep]
+
+
+def c8_read(results, claim: dict[str, Any]) -> pd.DataFrame:
+    """C8's rows from a :class:`~tracesim.analysis.aggregate.ResultsDataset`: the rule is
+    fitted and applied row by row (thresholds on each row's tail size, n_eff and largest
+    weight), so this is a filtered read of :func:`c8_rows`' rows of the eviction designs,
+    only the columns the rule, the split and the coverage event read."""
+    from tracesim.analysis.aggregate import notna, sql_in
+
+    settings = SplitSettings.from_claim(claim)
+    where = [eviction_where(results), certified_where(), notna(settings.coverage_column)
+             if settings.coverage_column in results else "FALSE"]
+    for key, value in claim.get("compare", {}).items():
+        if key in results:
+            where.append(sql_in(key, value if isinstance(value, list) else [value]))
+    if claim.get("deployable_only", True):
+        where.append("COALESCE(CAST(\"deployable\" AS BOOLEAN), FALSE)"
+                     if "deployable" in results else "\"score\" IS DISTINCT FROM 'oracle'")
+    return results.read(["sequence_id", "config_id", "certified", "cert2", "tail_size", "n_eff",
+                         "max_tail_weight", settings.coverage_column,
+                         "deployable" if "deployable" in results else "score"],
+                        " AND ".join(where))
 
 
 def evaluate_c8(results: pd.DataFrame, prereg,
@@ -78,7 +104,8 @@ def evaluate_c8(results: pd.DataFrame, prereg,
     res = ClaimResult("C8", claim["hypothesis"])
     settings = SplitSettings.from_claim(claim)
     df = c8_rows(eviction_rows(results), claim)  # per-step rows are C9's
-    df = df[df[settings.coverage_column].notna()]
+    has = df[settings.coverage_column].notna()
+    df = df if has.all() else df[has]
     if df.empty:
         res.detail = "no certified deployable rows of the compared configurations"
         return res, {}
@@ -88,7 +115,7 @@ def evaluate_c8(results: pd.DataFrame, prereg,
     if rules is None:
         rules, notes = fit_rules(df, settings)
     check_rules(rules, settings, held_ids)
-    held = df[df["sequence_id"].astype(str).isin(held_ids)]
+    held = df[as_text(df["sequence_id"]).isin(held_ids)]
     if held.empty or not rules:
         res.detail = (f"no held-out rows ({len(held_ids)} held-out of {len(split)} sequences) "
                       f"or no fitted rule")
@@ -106,7 +133,7 @@ def evaluate_c8(results: pd.DataFrame, prereg,
                       f"{len(held_ids)} sequences)")
         return res, rules
     y = held[settings.coverage_column].to_numpy(float)[mask]
-    seq = held["sequence_id"].astype(str).to_numpy()[mask]
+    seq = as_text(held["sequence_id"]).to_numpy()[mask]
     ci = cluster_proportions(y, seq, alpha=alpha).iloc[0]
     ci2 = cluster_proportions(y, seq, alpha=2 * alpha).iloc[0]
     res.estimate, res.ci_low, res.ci_high = float(ci["estimate"]), float(ci["ci_low"]), float(
@@ -140,7 +167,8 @@ def c8_claim(inputs: ClaimInputs) -> ClaimResult:
     rules = None
     if fdir is not None and (fdir / RULES_FILE).is_file():
         rules = load_rules(fdir / RULES_FILE)
-    c8, _ = evaluate_c8(inputs.results, inputs.prereg, rules)
+    c8, _ = evaluate_c8(c8_read(inputs.results, inputs.prereg.claims["C8"]), inputs.prereg,
+                        rules)
     if rules is not None:
         c8.detail += f"; rules from {fdir.name}/{RULES_FILE}"
     return c8

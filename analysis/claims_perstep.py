@@ -17,7 +17,8 @@ import pandas as pd
 from tracesim.analysis.claims import ClaimInputs, ClaimResult
 from tracesim.analysis.cluster import one_sided_bounds
 
-__all__ = ["c9_claim", "c10_claim", "c11_claim", "evaluate_c9", "evaluate_c10"]
+__all__ = ["META_COLUMNS", "c9_claim", "c10_claim", "c11_claim", "evaluate_c9", "evaluate_c10",
+           "perstep_read", "pick_configs"]
 
 
 def _matches(meta: pd.Series, want: dict) -> bool:
@@ -34,14 +35,18 @@ def _matches(meta: pd.Series, want: dict) -> bool:
     return all(k in checks and checks[k] == v for k, v in want.items())
 
 
-def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float, claim_id: str = "C9") -> dict:
-    """C9 on held-out results: coverage CI against the interval, paired MSE test vs top-k.
+#: Columns :func:`_matches` reads of a configuration's rows.
+META_COLUMNS = ("config_id", "score", "score_params", "design", "budget", "correction",
+                "mixture", "top_fraction")
 
-    C11 is the same rule on another model's held-out sequences: ``claim_id`` names the claim in
-    messages, and a ``model_id`` field of the entry keeps only that model's rows.
+
+def pick_configs(df: pd.DataFrame, claim: dict, claim_id: str = "C9"
+                 ) -> tuple[pd.DataFrame, dict[str, str]]:
+    """The rows of the claim's model (a ``model_id`` field keeps only its rows) and the one
+    configuration id each of ``compare.primary`` and ``compare.baseline`` matches.
+
+    ``df`` needs :data:`META_COLUMNS` only: one row per configuration is enough.
     """
-    from scipy import stats
-
     if "model_id" in claim:
         df = df[df["model_id"] == claim["model_id"]] if "model_id" in df else df.iloc[:0]
         if df.empty:
@@ -55,6 +60,41 @@ def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float, claim_id: str = "C9
             raise ValueError(f"{claim_id}: compare.{role} matches {len(ids)} configurations in the "
                              "results, expected exactly 1")
         pick[role] = ids[0]
+    return df, pick
+
+
+def perstep_read(results, claim: dict, claim_id: str) -> pd.DataFrame:
+    """The rows :func:`evaluate_c9` reads, from a
+    :class:`~tracesim.analysis.aggregate.ResultsDataset`: the configurations are picked on one
+    row per configuration (a group-by), then only the two picked configurations' rows are read
+    (filtered read, the columns the test reads). The test is paired per sequence on these
+    rows, so they are read, not summed."""
+    from tracesim.analysis.aggregate import quote, sql_in
+
+    model = (sql_in("model_id", [claim["model_id"]])
+             if "model_id" in claim and "model_id" in results else "TRUE")
+    if "model_id" in claim and "model_id" not in results:
+        model = "FALSE"
+    cols = [c for c in (*META_COLUMNS, "model_id") if c in results and c != "config_id"]
+    meta = results.query(
+        "SELECT \"config_id\", " + ", ".join(f"any_value({quote(c)}) AS {quote(c)}"
+                                             for c in cols)
+        + f" FROM results WHERE {model} GROUP BY \"config_id\"")
+    _, pick = pick_configs(meta, claim, claim_id)
+    return results.read([*META_COLUMNS, "model_id", "sequence_id", "wald_cov", "err2",
+                         "attention_kind"],
+                        f"{model} AND " + sql_in("config_id", list(pick.values())))
+
+
+def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float, claim_id: str = "C9") -> dict:
+    """C9 on held-out results: coverage CI against the interval, paired MSE test vs top-k.
+
+    C11 is the same rule on another model's held-out sequences: ``claim_id`` names the claim in
+    messages, and a ``model_id`` field of the entry keeps only that model's rows.
+    """
+    from scipy import stats
+
+    df, pick = pick_configs(df, claim, claim_id)
     p = df[df.config_id == pick["primary"]]
     b = df[df.config_id == pick["baseline"]]
     lo_iv, hi_iv = claim["interval"]
@@ -138,11 +178,14 @@ def c11_claim(inputs: ClaimInputs) -> ClaimResult:
 
 
 def _perstep_claim(inputs: ClaimInputs, claim_id: str) -> ClaimResult:
-    df, prereg = inputs.results, inputs.prereg
+    ds, prereg = inputs.results, inputs.prereg
     claim = prereg.claims[claim_id]
-    if df.empty or "score" not in df or not (df["score"] == "perstep").any():
+    if ds.empty or "score" not in ds or ds.query(
+            "SELECT count(*) AS n FROM (SELECT 1 FROM results WHERE \"score\" = 'perstep' "
+            "LIMIT 1)")["n"].iloc[0] == 0:
         return ClaimResult(claim_id, claim["hypothesis"], detail="no per-step results given")
     try:
+        df = perstep_read(ds, claim, claim_id)
         r = evaluate_c9(df, claim, prereg.claim_alpha(claim_id), claim_id)
     except ValueError as exc:
         return ClaimResult(claim_id, claim["hypothesis"], detail=str(exc))

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy import stats
+from tracesim.analysis.aggregate import quote, sql_in
 from tracesim.analysis.claims import (
     CERTIFICATES,
     INCONCLUSIVE,
@@ -26,10 +27,11 @@ from tracesim.analysis.claims import (
     ClaimInputs,
     ClaimResult,
     Fail,
+    certified_where,
     eviction_rows,
+    eviction_where,
 )
 from tracesim.analysis.claims_outcomes import evaluate_c2_accuracy
-from tracesim.analysis.coverage import cluster_coverage
 from tracesim.analysis.equivalence import paired_tost
 
 __all__ = ["c0_claim", "c1_claim", "c2_claim", "c5_claim", "c7_claim", "check_c1",
@@ -86,26 +88,55 @@ def _certified(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["certified"].astype(bool) & df["cert2"].notna()]
 
 
-def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, Any]]:
-    """Certificate coverage, cluster-robust by sequence, stratified by tail size and more."""
+def _bins_sql(column: str, edges: tuple[float, ...], labels: list[str]) -> str:
+    """SQL of ``pd.cut(column, [-inf, *edges, inf], right=False, labels=labels).astype(str)``:
+    the label of the bin, ``'nan'`` for a missing or infinite value."""
+    x = f"CAST({quote(column)} AS DOUBLE)"
+    whens = "".join(f" WHEN {x} < {e!r} THEN '{lab}'" for e, lab in zip(
+        (*edges, float("inf")), labels, strict=True)).replace("inf THEN", "'inf' THEN")
+    return f"CASE WHEN {x} IS NULL OR isnan({x}) THEN 'nan'{whens} ELSE 'nan' END"
+
+
+def _as_dataset(results):
+    from tracesim.analysis.aggregate import ResultsDataset
+
+    return ResultsDataset.from_frame(results) if isinstance(results, pd.DataFrame) else results
+
+
+def evaluate_c1(results, prereg) -> tuple[ClaimResult, dict[str, Any]]:
+    """Certificate coverage, cluster-robust by sequence, stratified by tail size and more.
+
+    Computed from sums per (sequence, stratum) of the coverage event (one DuckDB group-by over
+    the results, :func:`tracesim.analysis.aggregate.coverage_from_sums`), never from the rows:
+    the estimate and its GEE sandwich interval are functions of those sums.
+    """
+    from tracesim.analysis.aggregate import coverage_from_sums, notna
+
     claim, alpha = _claim(prereg, "C1")
     res = ClaimResult("C1", claim["hypothesis"])
     column = {("wald", "primary"): "wald_cov", ("wald", "small_sample"): "wald_t_cov",
               ("satterthwaite", "primary"): "sat_cov",
               ("satterthwaite", "small_sample"): "sat_t_cov"}[
         (claim["primary_event"], claim["certificate"])]
-    df = _certified(eviction_rows(results))
+    ds = _as_dataset(results)
     want = claim.get("compare", {})
-    if "design" in want:
-        df = df[df["design"] == want["design"]]
-    df = df[df[column].notna()] if column in df else df.iloc[0:0]
-    if df.empty:
+    sums = pd.DataFrame()
+    if column in ds and not ds.empty:
+        where = f"{eviction_where(ds)} AND {certified_where()} AND {notna(column)}"
+        if "design" in want:
+            where += " AND " + sql_in("design", [want["design"]])
+        sums = ds.sums(["sequence_id",
+                        _bins_sql("tail_size", (8, 32, 128), TAIL_LABELS) + " AS tail_bin",
+                        _bins_sql("n_eff", (4, 16, 64), NEFF_LABELS) + " AS neff_bin",
+                        _bins_sql("tail_out_mass", (0.01, 0.05, 0.2), MASS_LABELS)
+                        + " AS mass_bin"], [column], where)
+    if sums.empty or sums[f"n_{column}"].sum() == 0:
         res.detail = f"no certified rows with {column} (primary event {claim['primary_event']})"
         return res, {}
     nominal = float(claim["nominal"])
     threshold = nominal - float(claim.get("margin", 0.0))
-    overall = cluster_coverage(df[column].to_numpy(), df["sequence_id"].to_numpy(),
-                               nominal=nominal, alpha=alpha)
+    overall = coverage_from_sums(sums, column, None, "sequence_id", nominal=nominal,
+                                 alpha=alpha)
     res.estimate = float(overall.coverage[0])
     res.ci_low, res.ci_high = float(overall.ci_low[0]), float(overall.ci_high[0])
     # One-sided test of H0: coverage <= nominal - margin, on the logit scale of the GEE fit.
@@ -120,36 +151,38 @@ def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, A
         res.verdict = NOT_SUPPORTED
     else:
         res.verdict = INCONCLUSIVE
-    strata = {
-        "tail size": cluster_coverage(df[column], df["sequence_id"], tail_bins(df["tail_size"]),
-                                      nominal=nominal, alpha=alpha, order=TAIL_LABELS),
-        "Kish n_eff": cluster_coverage(df[column], df["sequence_id"], pd.cut(
-            df["n_eff"], [-np.inf, 4, 16, 64, np.inf], right=False,
-            labels=NEFF_LABELS).astype(str), nominal=nominal, alpha=alpha, order=NEFF_LABELS),
-        "oracle sampled-out mass": cluster_coverage(df[column], df["sequence_id"], pd.cut(
-            df["tail_out_mass"], [-np.inf, 0.01, 0.05, 0.2, np.inf], right=False,
-            labels=MASS_LABELS).astype(str), nominal=nominal, alpha=alpha, order=MASS_LABELS),
-    }
+    strata = {name: coverage_from_sums(sums, column, key, "sequence_id", nominal=nominal,
+                                       alpha=alpha, order=order)
+              for name, key, order in (("tail size", "tail_bin", TAIL_LABELS),
+                                       ("Kish n_eff", "neff_bin", NEFF_LABELS),
+                                       ("oracle sampled-out mass", "mass_bin", MASS_LABELS))}
     res.detail = (f"{column} over {overall.n_events[0]} (query, head, config) rows from "
                   f"{overall.n_clusters[0]} sequences; threshold {threshold:.3f}")
     res.extra = {"column": column, "threshold": threshold}
     return res, strata
 
 
-def evaluate_c2_attention(results: pd.DataFrame, prereg) -> ClaimResult:
-    """Paired TOST of relative attention error: Poisson/Hájek vs top-k at equal budget."""
+def evaluate_c2_attention(results, prereg) -> ClaimResult:
+    """Paired TOST of relative attention error: Poisson/Hájek vs top-k at equal budget.
+
+    The per-(sequence, score, budget) means come from sums and counts of ``rel_err`` (one
+    DuckDB group-by), not from the rows.
+    """
     claim, alpha = _claim(prereg, "C2")
     res = ClaimResult("C2", claim["hypothesis"])
-    df = eviction_rows(results)
+    ds = _as_dataset(results)
     keys = ["sequence_id", "score", "budget"]
-    # only the columns averaged are copied, not the whole table twice
-    rand = df.loc[(df["design"] == "poisson") & (df["correction"] == "hajek"), [*keys, "rel_err"]]
-    det = df.loc[df["design"] == "topk", [*keys, "rel_err"]]
-    a = rand.groupby(keys)["rel_err"].mean()
-    b = det.groupby(keys)["rel_err"].mean()
-    cells = pd.concat([a.rename("random"), b.rename("topk")], axis=1).dropna()
+    cells = pd.DataFrame(columns=["random", "topk"])
+    if not ds.empty and {*keys, "design", "correction", "rel_err"} <= set(ds.columns):
+        where = (f"{eviction_where(ds)} AND ((\"design\" = 'poisson' AND \"correction\" = "
+                 "'hajek') OR \"design\" = 'topk')")
+        sums = ds.sums([*keys, "CASE WHEN \"design\" = 'topk' THEN 'topk' ELSE 'random' END "
+                        "AS arm"], ["rel_err"], where)
+        sums["mean"] = (sums["sum_rel_err"] / sums["n_rel_err"]).where(sums["n_rel_err"] > 0)
+        cells = sums.set_index([*keys, "arm"])["mean"].unstack("arm")
+        cells = cells.reindex(columns=["random", "topk"]).dropna()
     # Cells of one sequence share its tokens: the independent units are the sequences.
-    both = cells.groupby(level="sequence_id").mean()
+    both = cells.groupby(level="sequence_id").mean() if len(cells) else cells
     if len(both) < 2:
         res.detail = "needs poisson/hajek and top-k rows at the same score and budget"
         return res
@@ -181,10 +214,8 @@ def evaluate_c5(results: pd.DataFrame, prereg) -> ClaimResult:
     """
     claim, alpha = _claim(prereg, "C5")
     res = ClaimResult("C5", claim["hypothesis"])
-    df = _certified(eviction_rows(results))
-    df = df[(df["design"] == "poisson") & (df["budget_unit"] == "fraction")
-            & (df["allocator"] == "uniform")]
     unit = ["sequence_id", "layer", "head", "query_position", "score"]
+    df = c5_rows(results, unit)
     diffs: list[pd.Series] = []
     for score, sdf in df.groupby("score"):
         budgets = sorted(sdf["budget"].unique())
@@ -225,7 +256,37 @@ def evaluate_c5(results: pd.DataFrame, prereg) -> ClaimResult:
     return res
 
 
-def recompute_curves(results: pd.DataFrame, logprobs: dict[str, np.ndarray] | None,
+def c5_rows(results, unit: list[str]) -> pd.DataFrame:
+    """The rows C5 escalates over: certified eviction rows of the uniform Poisson design at
+    fraction budgets, only the unit, budget, error and certificate columns. Its rule ranks
+    units by their certificate, so it needs rows: a filtered read
+    (:meth:`~tracesim.analysis.aggregate.ResultsDataset.read`) of those rows only."""
+    if isinstance(results, pd.DataFrame):
+        df = _certified(eviction_rows(results))
+        return df[(df["design"] == "poisson") & (df["budget_unit"] == "fraction")
+                  & (df["allocator"] == "uniform")]
+    if results.empty or not {"design", "budget_unit", "allocator"} <= set(results.columns):
+        return pd.DataFrame(columns=[*unit, "budget", "rel_err", "cert2"])
+    return results.read([*unit, "budget", "rel_err", "cert2"], (
+        f"{eviction_where(results)} AND {certified_where()} AND \"design\" = 'poisson' AND "
+        "\"budget_unit\" = 'fraction' AND \"allocator\" = 'uniform'"))
+
+
+def c7_rows(results) -> pd.DataFrame:
+    """The rows C7 schedules recomputation over (certified decode rows of the Poisson design),
+    in the table's order (its random gate draws per group in that order): a filtered read of
+    six columns."""
+    if isinstance(results, pd.DataFrame):
+        df = _certified(results)
+        return df[(df["design"] == "poisson") & (df["query_role"] == "decode")]
+    cols = ["sequence_id", "config_id", "err2", "cert2", "query_position", "prompt_length"]
+    if results.empty or not {"design", "query_role"} <= set(results.columns):
+        return pd.DataFrame(columns=cols)
+    return results.read(cols, f"{certified_where()} AND \"design\" = 'poisson' AND "
+                        "\"query_role\" = 'decode'")
+
+
+def recompute_curves(results, logprobs: dict[str, np.ndarray] | None,
                      budgets: tuple[float, ...], seed: int = 0) -> pd.DataFrame:
     """Fraction of squared attention error recovered by recomputing a share of (step, head)
     units, per sequence and gate (certificate, random, confidence).
@@ -234,8 +295,7 @@ def recompute_curves(results: pd.DataFrame, logprobs: dict[str, np.ndarray] | No
     recovered error is the err2 of the chosen units over the total. ``confidence`` recomputes
     whole decode steps in order of the full-cache token log-prob (lowest first).
     """
-    df = _certified(results)
-    df = df[(df["design"] == "poisson") & (df["query_role"] == "decode")]
+    df = c7_rows(results)
     rows = []
     rng = np.random.default_rng(seed)
     for (sid, cfg), g in df.groupby(["sequence_id", "config_id"]):

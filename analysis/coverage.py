@@ -132,4 +132,6 @@ def calibration_curve(
         raise ValueError("standardized_error has no finite value")
     lv = np.linspace(0.5, 0.99, 50) if levels is None else np.asarray(levels, dtype=np.float64)
     q = stats.norm.ppf((1 + lv) / 2)
-    return lv, (t[None, :] <= q[:, None]).mean(axis=1)
+    # counts of t <= q from one sort, not a (levels x rows) matrix of comparisons
+    counts = np.searchsorted(np.sort(t), q, side="right")
+    return lv, counts / t.size

@@ -28,19 +28,37 @@ def coverage_figure(strata: dict, nominal: float) -> bytes:
     return png_bytes(fig)
 
 
-def error_budget_figure(results: pd.DataFrame) -> bytes:
-    """Mean relative attention error vs budget, one line per (score, design)."""
+def _dataset(results):
+    from tracesim.analysis.aggregate import ResultsDataset
+
+    return ResultsDataset.from_frame(results) if isinstance(results, pd.DataFrame) else results
+
+
+def error_budget_figure(results) -> bytes:
+    """Mean relative attention error vs budget, one line per (score, design).
+
+    Drawn from sums of ``rel_err`` per (score, design, budget, and the columns the labels
+    read), not from the rows (``results``: a DataFrame or a
+    :class:`~tracesim.analysis.aggregate.ResultsDataset`)."""
+
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    # only the columns drawn and labelled are copied (policy_labels reads the last four)
-    df = results.loc[results["budget_unit"] == "fraction", [
-        c for c in ("score", "design", "budget", "rel_err", "mixture", "top_fraction",
-                    "allocator") if c in results.columns]]
-    # Designs that ignore the score give identical rows for every score: one line, one label.
-    df["label"] = policy_labels(df)
-    for label, g in df.groupby("label"):
+    ds = _dataset(results)
+    keys = [c for c in ("score", "design", "budget", "mixture", "top_fraction", "allocator")
+            if c in ds]
+    sums = ds.query(
+        "SELECT " + ", ".join(f'"{k}"' for k in keys) + ', count(CASE WHEN NOT isnan("rel_err") '
+        'THEN 1 END) AS n, sum(CASE WHEN NOT isnan("rel_err") THEN "rel_err" END) AS s, '
+        'min(__row) AS first_row FROM results WHERE "budget_unit" = \'fraction\' GROUP BY '
+        + ", ".join(f'"{k}"' for k in keys) + " ORDER BY first_row") if not ds.empty else \
+        pd.DataFrame(columns=[*keys, "n", "s", "first_row"])
+    # Designs that ignore the score give identical rows for every score: one line, one label
+    # (the score of the label's first row in the table, as before).
+    sums["label"] = policy_labels(sums)
+    for label, g in sums.groupby("label"):
         first = g["score"].iloc[0]
-        m = g[g["score"] == first].groupby("budget")["rel_err"].mean()
+        g = g[g["score"] == first].groupby("budget")[["s", "n"]].sum()
+        m = (g["s"] / g["n"]).where(g["n"] > 0)
         ax.plot(m.index, m.values, marker="o", label=label)
     ax.set_xlabel("budget (fraction of context)")
     ax.set_ylabel("mean relative error |ô - o| / |o|")
@@ -69,15 +87,20 @@ def roc_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
     return png_bytes(fig)
 
 
-def head_budget_figure(results: pd.DataFrame) -> bytes:
-    """Mean kept tokens per (layer, KV head) for each allocator of the certified policies."""
+def head_budget_figure(results) -> bytes:
+    """Mean kept tokens per (layer, KV head) for each allocator of the certified policies,
+    from sums per (allocator, layer, KV head)."""
     plt = pyplot()
-    df = results.loc[results["score"] != "full",
-                     ["allocator", "layer", "kv_head", "kept_tokens"]]
-    allocs = sorted(df["allocator"].dropna().unique()) or ["uniform"]
+    ds = _dataset(results)
+    sums = ds.sums(["allocator", "layer", "kv_head"], ["kept_tokens"],
+                   "\"score\" IS DISTINCT FROM 'full'") if not ds.empty else pd.DataFrame(
+        columns=["allocator", "layer", "kv_head", "n_kept_tokens", "sum_kept_tokens"])
+    sums["mean"] = (sums["sum_kept_tokens"] / sums["n_kept_tokens"]).where(
+        sums["n_kept_tokens"] > 0)
+    allocs = sorted(sums["allocator"].dropna().unique()) or ["uniform"]
     fig, axes = plt.subplots(1, len(allocs), figsize=(4.2 * len(allocs), 3.6), squeeze=False)
-    pivs = {a: df[df["allocator"] == a].pivot_table(index="layer", columns="kv_head",
-                                                    values="kept_tokens", aggfunc="mean")
+    pivs = {a: sums[sums["allocator"] == a].pivot_table(index="layer", columns="kv_head",
+                                                        values="mean", aggfunc="first")
             for a in allocs}
     # One scale for every panel, from 0: a uniform allocation reads as one flat colour instead
     # of a per-panel stretch of rounding noise.

@@ -85,14 +85,50 @@ def _seeds(summary: dict[str, Any] | None, df: pd.DataFrame, column: str) -> str
     return None
 
 
-def collect_provenance(results: pd.DataFrame | None, summary_r: dict[str, Any] | None,
+def _result_facts(results) -> dict[str, Any]:
+    """What the header says of the results, from a DataFrame or, in a few group-bys, from a
+    :class:`~tracesim.analysis.aggregate.ResultsDataset`: one row per sequence (its task and
+    prompt length), the layers, the number of configurations and the largest ``n_seeds``."""
+    if results is None:
+        results = pd.DataFrame()
+    if isinstance(results, pd.DataFrame):
+        per = [c for c in ("sequence_id", "task", "prompt_length") if c in results]
+        seq = (results.drop_duplicates("sequence_id")[per] if "sequence_id" in results
+               else pd.DataFrame())
+        return {"per_sequence": seq,
+                "layers": (sorted(results["layer"].unique())
+                           if "layer" in results and not results.empty else []),
+                "configs": (results["config_id"].nunique() if "config_id" in results
+                            else None),
+                "seeds": results[["n_seeds"]] if "n_seeds" in results else pd.DataFrame()}
+    from tracesim.analysis.aggregate import quote
+
+    ds = results
+    if ds.empty:
+        return _result_facts(pd.DataFrame(columns=list(ds.columns)))
+    per = [c for c in ("task", "prompt_length") if c in ds]
+    seq = (ds.query("SELECT \"sequence_id\"" + "".join(f", any_value({quote(c)}) AS {quote(c)}"
+                                                       for c in per)
+                    + " FROM results GROUP BY \"sequence_id\"")
+           if "sequence_id" in ds else pd.DataFrame())
+    layers = (sorted(ds.query("SELECT DISTINCT \"layer\" FROM results WHERE \"layer\" IS NOT "
+                              "NULL")["layer"].tolist()) if "layer" in ds else [])
+    configs = (int(ds.query("SELECT count(DISTINCT \"config_id\") AS n FROM results")["n"][0])
+               if "config_id" in ds else None)
+    seeds = (ds.query("SELECT max(\"n_seeds\") AS n_seeds FROM results") if "n_seeds" in ds
+             else pd.DataFrame())
+    return {"per_sequence": seq, "layers": layers, "configs": configs, "seeds": seeds}
+
+
+def collect_provenance(results: Any, summary_r: dict[str, Any] | None,
                        outcomes: pd.DataFrame | None, summary_o: dict[str, Any] | None, *,
                        prereg_sha256: str, prereg_name: str, prereg_matches: bool,
                        traces_dir: str | Path | None = None) -> Provenance:
     """Build the provenance header from whatever inputs the report was given."""
     from tracesim import __version__
 
-    res = results if results is not None else pd.DataFrame()
+    facts = _result_facts(results)
+    res = facts.pop("per_sequence")
     out = outcomes if outcomes is not None else pd.DataFrame()
     stores = []
     if summary_r:
@@ -136,14 +172,14 @@ def collect_provenance(results: pd.DataFrame | None, summary_r: dict[str, Any] |
     if "prompt_length" in res:
         lengths = res.drop_duplicates("sequence_id")["prompt_length"]
         rows.append(("prompt lengths", _span(lengths)))
-    if "layer" in res and not res.empty:
-        layers = sorted(res["layer"].unique())
+    layers = facts["layers"]
+    if layers:
         rows.append(("layers replayed", f"{len(layers)} ({layers[0]}..{layers[-1]})"))
-    if "config_id" in res:
-        rows.append(("configurations", f"{res['config_id'].nunique()} replayed"
+    if facts["configs"] is not None:
+        rows.append(("configurations", f"{facts['configs']} replayed"
                      + (f", {out['config_id'].nunique()} in the loop"
                         if "config_id" in out else "")))
-    seeds = [f"replay {s}" for s in [_seeds(summary_r, res, "n_seeds")] if s]
+    seeds = [f"replay {s}" for s in [_seeds(summary_r, facts["seeds"], "n_seeds")] if s]
     seeds += [f"in-loop {s}" for s in [_seeds(summary_o, out, "seed")] if s and not out.empty]
     rows.append(("seeds", "; ".join(seeds) or "unknown"))
     produced = (summary_r or {}).get("version")

@@ -25,6 +25,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 from tracesim.analysis import figures
 from tracesim.analysis import report_figures as rfig
+from tracesim.analysis.aggregate import open_results
 from tracesim.analysis.answer_span import add_to_report as add_answer_span
 from tracesim.analysis.claim_registry import claims_table, registered_claims
 from tracesim.analysis.claims import (
@@ -41,7 +42,6 @@ from tracesim.analysis.perstep_figure import add_to_report as add_perstep_fronti
 from tracesim.analysis.prereg import Preregistration, check_prereg_hash, load_prereg
 from tracesim.analysis.provenance import Provenance, collect_provenance
 from tracesim.analysis.results_io import (
-    REPORT_COLUMNS,
     _read_json,
     load_outcomes,
     load_peers,
@@ -116,8 +116,10 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     results = summary_r = outcomes = summary_o = None
     load_notes: list[str] = []
     if results_dir is not None:
-        results, summary_r = load_results(results_dir, trust_unsigned=trust_unsigned,
-                                          notes=load_notes, columns=REPORT_COLUMNS)
+        # verified part by part, never read whole: each claim, table and figure asks DuckDB
+        # for its aggregates or its own rows (tracesim.analysis.aggregate)
+        results = open_results(results_dir, trust_unsigned=trust_unsigned, notes=load_notes)
+        summary_r = results.summary
     if outcomes_dir is not None:
         outcomes, summary_o = load_outcomes(outcomes_dir, trust_unsigned=trust_unsigned,
                                             notes=load_notes)
@@ -166,9 +168,10 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         _add_replay_parts(report, inputs, claims, fdir)
     if inputs.given("outcomes"):
         _add_outcome_parts(report, inputs)
-    res_df = inputs.results
-    if not res_df.empty and "score" in res_df and (res_df["score"] == "perstep").any():
-        add_perstep_frontier(report, res_df, report.provenance.head_dim or 64)
+    res = inputs.results
+    if not res.empty and "score" in res and _has_perstep(res):
+        add_perstep_frontier(report, res.read(PERSTEP_COLUMNS),
+                             report.provenance.head_dim or 64)
     if not peers.empty:
         report.tables[PEERS_TABLE] = peers_table(peers)
     if not fetch_df.empty:
@@ -207,6 +210,29 @@ def peers_table(peers: pd.DataFrame) -> str:
     return agg.to_string(float_format=lambda x: f"{x:.4g}")
 
 
+#: Columns the per-step table and figure read (:func:`tracesim.analysis.perstep.perstep_table`,
+#: :func:`tracesim.analysis.perstep_costs.cost_columns`).
+PERSTEP_COLUMNS = ("store", "config_id", "score", "score_params", "design", "budget",
+                   "sequence_id", "wald_cov", "wald_t_cov", "err2", "kept_tokens",
+                   "n_positions", "head", "kv_head", "sinks", "window")
+
+
+def _has_perstep(results) -> bool:
+    """Whether the results hold a per-step design's row (one row looked for)."""
+    return bool(results.query("SELECT count(*) AS n FROM (SELECT 1 FROM results WHERE "
+                              "\"score\" = 'perstep' LIMIT 1)")["n"].iloc[0])
+
+
+def _figure_rows(results, columns: list[str]) -> pd.DataFrame:
+    """The rows the calibration figures draw: certified, with a positive certificate and an
+    error (``report_figures._certified``), only ``columns``."""
+    from tracesim.analysis.aggregate import notna
+    from tracesim.analysis.claims import certified_where
+
+    return results.read(columns, f"{certified_where()} AND {notna('err2')} AND "
+                        "\"cert2\" > 0")
+
+
 def _evaluate(inputs: ClaimInputs) -> dict[str, ClaimResult]:
     """Every registered claim on ``inputs`` (those marked ``first`` before the others); a
     claim lacking an input it needs is ``not evaluated`` with the reason."""
@@ -228,7 +254,7 @@ def _add_replay_parts(report: Report, inputs: ClaimInputs, claims: dict[str, Cla
     frontier, C1's strata, the certificate and error figures, C7's recompute curves."""
     if fdir is not None:
         _add_frontier(report, fdir)
-    prereg, res_df, c1 = inputs.prereg, inputs.results, claims["C1"]
+    prereg, res, c1 = inputs.prereg, inputs.results, claims["C1"]
     nominal = float(prereg.claims["C1"]["nominal"])
     strata = inputs.artifacts.get("C1 strata")
     if strata:
@@ -237,13 +263,18 @@ def _add_replay_parts(report: Report, inputs: ClaimInputs, claims: dict[str, Cla
             column=c1.extra.get("column", "?"), nominal=prereg.claims["C1"]["nominal"])))
         report.tables["coverage strata"] = "\n\n".join(
             f"by {k}\n{v.summary()}" for k, v in strata.items())
-    report.add_figure("certificate_vs_error", rfig.certificate_error_figure(res_df))
+    # Each figure reads its own certified rows, only the columns it draws (filtered reads);
+    # the error and kept-token figures draw means, from sums.
+    drawn = ["design", "cert2", "err2", "sequence_id", "certified"]
+    report.add_figure("certificate_vs_error", rfig.certificate_error_figure(
+        _figure_rows(res, drawn)))
     report.add_figure("coverage_vs_level", rfig.coverage_level_figure(
-        res_df, report.provenance.head_dim))
+        _figure_rows(res, drawn), report.provenance.head_dim))
+    column = c1.extra.get("column", "wald_cov")
     report.add_figure("coverage_by_head", rfig.coverage_heatmap(
-        res_df, c1.extra.get("column", "wald_cov"), nominal))
-    report.add_figure("error_vs_budget", (figures.error_budget_figure(res_df), _ERROR_CAPTION))
-    report.add_figure("head_budgets", (figures.head_budget_figure(res_df), _HEADS_CAPTION))
+        _figure_rows(res, [*drawn, "layer", "head", column]), column, nominal))
+    report.add_figure("error_vs_budget", (figures.error_budget_figure(res), _ERROR_CAPTION))
+    report.add_figure("head_budgets", (figures.head_budget_figure(res), _HEADS_CAPTION))
     curves = inputs.artifacts.get("C7 curves")
     if curves is not None and not curves.empty:
         report.add_figure("recompute", (figures.recompute_figure(curves), _RECOMPUTE_CAPTION))

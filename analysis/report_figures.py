@@ -40,7 +40,11 @@ def _certified(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
     """The certified rows with a positive certificate, only ``columns`` of them (those the
     table has): a figure copies what it draws, not every results column."""
     ok = df["certified"].astype(bool) & df["cert2"].notna() & df["err2"].notna()
-    return df.loc[ok & (df["cert2"] > 0), [c for c in dict.fromkeys(columns) if c in df.columns]]
+    ok &= df["cert2"] > 0
+    cols = [c for c in dict.fromkeys(columns) if c in df.columns]
+    if ok.all():  # the report's read holds these rows only: select columns, copy nothing
+        return df[cols]
+    return df.loc[ok, cols]
 
 
 def certificate_error_figure(results: pd.DataFrame) -> tuple[bytes, str] | None:

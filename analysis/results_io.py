@@ -34,7 +34,8 @@ REPORT_COLUMNS = (
     "sinks", "window", "top_fraction", "mixture", "floor", "score_params", "certified",
     "summary_page", "deployable", "seed", "n_seeds", "err2", "rel_err", "cert2", "tail_size",
     "n_eff", "wald_cov", "wald_t_cov", "sat_cov", "sat_t_cov", "kept_tokens", "tail_out_mass",
-    "max_tail_weight", "bound2", "bound_cov", "summary_tokens", "boot_cov", "boot_cert2")
+    "max_tail_weight", "bound2", "bound_cov", "summary_tokens", "boot_cov", "boot_cert2",
+    "attention_kind")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

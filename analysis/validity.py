@@ -50,8 +50,8 @@ import pandas as pd
 from tracesim.atomic import atomic_write_bytes
 
 __all__ = ["DEFAULT_GRID", "SplitSettings", "ValidityRule", "ValidityRuleError", "apply_rules",
-           "check_rules", "fit_rule", "fit_rules", "ids_hash", "load_rules", "save_rules",
-           "split_sequences"]
+           "as_text", "check_rules", "fit_rule", "fit_rules", "ids_hash", "load_rules",
+           "save_rules", "split_sequences"]
 
 #: Candidate thresholds when a pre-registration gives none.
 DEFAULT_GRID: dict[str, list[float]] = {
@@ -123,6 +123,12 @@ def _unit(salt: str, sequence_id: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 
 
+def as_text(ids: pd.Series) -> pd.Series:
+    """Ids as strings; a column of strings as it is (``astype(str)`` would copy every row's
+    text into pandas' string dtype, gigabytes on a large results read)."""
+    return ids if pd.api.types.is_string_dtype(ids) else ids.astype(str)
+
+
 def split_sequences(sequence_ids, salt: str, fraction: float) -> dict[str, bool]:
     """``{sequence_id: True if calibration else False}`` (see the module docstring)."""
     return {str(s): _unit(salt, str(s)) < fraction for s in sorted(set(map(str, sequence_ids)))}
@@ -180,7 +186,7 @@ class ValidityRule:
 def _calibration_rows(df: pd.DataFrame, settings: SplitSettings) -> tuple[pd.DataFrame, list]:
     split = split_sequences(df["sequence_id"].unique(), settings.salt, settings.fraction)
     calib = sorted(s for s, c in split.items() if c)
-    return df[df["sequence_id"].astype(str).isin(calib)], calib
+    return df[as_text(df["sequence_id"]).isin(calib)], calib
 
 
 def fit_rule(df: pd.DataFrame, settings: SplitSettings, config_id: str = "*") -> ValidityRule:
@@ -198,7 +204,7 @@ def fit_rule(df: pd.DataFrame, settings: SplitSettings, config_id: str = "*") ->
     neff = cal["n_eff"].to_numpy(float)
     w = cal["max_tail_weight"].to_numpy(float) if has_w else None
     y = cal[settings.coverage_column].to_numpy(float)
-    _, seq = np.unique(cal["sequence_id"].astype(str).to_numpy(), return_inverse=True)
+    _, seq = np.unique(as_text(cal["sequence_id"]).to_numpy(), return_inverse=True)
     weights = settings.grid["max_weight"] if has_w else [None]
     best, best_key = None, None
     for mt, ne, mw in itertools.product(settings.grid["min_tail"], settings.grid["min_neff"],
@@ -233,7 +239,8 @@ def fit_rules(df: pd.DataFrame, settings: SplitSettings) -> tuple[dict[str, Vali
     """One rule per certified configuration of ``df``; returns (rules, notes)."""
     rules: dict[str, ValidityRule] = {}
     notes: list[str] = []
-    cert = df[df["certified"].astype(bool) & df["cert2"].notna()]
+    keep = df["certified"].astype(bool) & df["cert2"].notna()
+    cert = df if keep.all() else df[keep]  # rows read already certified are not copied
     failed: list[str] = []
     for cid, g in cert.groupby("config_id", sort=True, observed=True):
         try:
@@ -282,7 +289,7 @@ def check_rules(rules: dict[str, ValidityRule], settings: SplitSettings,
 def apply_rules(df: pd.DataFrame, rules: dict[str, ValidityRule]) -> np.ndarray:
     """Boolean mask: the row's configuration has a rule and the rule certifies the row."""
     out = np.zeros(len(df), dtype=bool)
-    codes = df["config_id"].astype(str).to_numpy()
+    codes = as_text(df["config_id"]).to_numpy()
     for cid, rule in rules.items():
         sel = codes == cid
         if sel.any():

@@ -1,0 +1,166 @@
+"""The report's claims computed in memory with pandas, as they were before the report read
+its results through DuckDB: the oracle ``tests/test_report_streaming.py`` holds the streaming
+claims to. Test code only: the package computes these from aggregates
+(:mod:`tracesim.analysis.aggregate`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+from tracesim.analysis.claims import (
+    INCONCLUSIVE,
+    NOT_SUPPORTED,
+    SUPPORTED,
+    ClaimResult,
+    eviction_rows,
+)
+from tracesim.analysis.claims_replay import (
+    MASS_LABELS,
+    NEFF_LABELS,
+    TAIL_LABELS,
+    _certified,
+    _claim,
+    tail_bins,
+)
+from tracesim.analysis.coverage import cluster_coverage
+from tracesim.analysis.equivalence import paired_tost
+from tracesim.analysis.plotting import png_bytes, pyplot
+from tracesim.analysis.report_figures import policy_labels
+
+
+def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, Any]]:
+    """Certificate coverage, cluster-robust by sequence, stratified by tail size and more."""
+    claim, alpha = _claim(prereg, "C1")
+    res = ClaimResult("C1", claim["hypothesis"])
+    column = {("wald", "primary"): "wald_cov", ("wald", "small_sample"): "wald_t_cov",
+              ("satterthwaite", "primary"): "sat_cov",
+              ("satterthwaite", "small_sample"): "sat_t_cov"}[
+        (claim["primary_event"], claim["certificate"])]
+    df = _certified(eviction_rows(results))
+    want = claim.get("compare", {})
+    if "design" in want:
+        df = df[df["design"] == want["design"]]
+    df = df[df[column].notna()] if column in df else df.iloc[0:0]
+    if df.empty:
+        res.detail = f"no certified rows with {column} (primary event {claim['primary_event']})"
+        return res, {}
+    nominal = float(claim["nominal"])
+    threshold = nominal - float(claim.get("margin", 0.0))
+    overall = cluster_coverage(df[column].to_numpy(), df["sequence_id"].to_numpy(),
+                               nominal=nominal, alpha=alpha)
+    res.estimate = float(overall.coverage[0])
+    res.ci_low, res.ci_high = float(overall.ci_low[0]), float(overall.ci_high[0])
+    # One-sided test of H0: coverage <= nominal - margin, on the logit scale of the GEE fit.
+    se = (np.log(res.ci_high / (1 - res.ci_high)) - np.log(res.ci_low / (1 - res.ci_low))) / (
+        2 * stats.norm.ppf(1 - alpha / 2)) if 0 < res.ci_low < res.ci_high < 1 else np.nan
+    if np.isfinite(se) and se > 0:
+        logit = np.log(res.estimate / (1 - res.estimate))
+        res.pvalue = float(stats.norm.sf((logit - np.log(threshold / (1 - threshold))) / se))
+    if res.ci_low >= threshold:
+        res.verdict = SUPPORTED
+    elif res.ci_high < threshold:
+        res.verdict = NOT_SUPPORTED
+    else:
+        res.verdict = INCONCLUSIVE
+    strata = {
+        "tail size": cluster_coverage(df[column], df["sequence_id"], tail_bins(df["tail_size"]),
+                                      nominal=nominal, alpha=alpha, order=TAIL_LABELS),
+        "Kish n_eff": cluster_coverage(df[column], df["sequence_id"], pd.cut(
+            df["n_eff"], [-np.inf, 4, 16, 64, np.inf], right=False,
+            labels=NEFF_LABELS).astype(str), nominal=nominal, alpha=alpha, order=NEFF_LABELS),
+        "oracle sampled-out mass": cluster_coverage(df[column], df["sequence_id"], pd.cut(
+            df["tail_out_mass"], [-np.inf, 0.01, 0.05, 0.2, np.inf], right=False,
+            labels=MASS_LABELS).astype(str), nominal=nominal, alpha=alpha, order=MASS_LABELS),
+    }
+    res.detail = (f"{column} over {overall.n_events[0]} (query, head, config) rows from "
+                  f"{overall.n_clusters[0]} sequences; threshold {threshold:.3f}")
+    res.extra = {"column": column, "threshold": threshold}
+    return res, strata
+
+
+def evaluate_c2_attention(results: pd.DataFrame, prereg) -> ClaimResult:
+    """Paired TOST of relative attention error: Poisson/Hájek vs top-k at equal budget."""
+    claim, alpha = _claim(prereg, "C2")
+    res = ClaimResult("C2", claim["hypothesis"])
+    df = eviction_rows(results)
+    keys = ["sequence_id", "score", "budget"]
+    # only the columns averaged are copied, not the whole table twice
+    rand = df.loc[(df["design"] == "poisson") & (df["correction"] == "hajek"), [*keys, "rel_err"]]
+    det = df.loc[df["design"] == "topk", [*keys, "rel_err"]]
+    a = rand.groupby(keys)["rel_err"].mean()
+    b = det.groupby(keys)["rel_err"].mean()
+    cells = pd.concat([a.rename("random"), b.rename("topk")], axis=1).dropna()
+    # Cells of one sequence share its tokens: the independent units are the sequences.
+    both = cells.groupby(level="sequence_id").mean()
+    if len(both) < 2:
+        res.detail = "needs poisson/hajek and top-k rows at the same score and budget"
+        return res
+    test = paired_tost(both["random"].to_numpy(), both["topk"].to_numpy(),
+                       float(claim["margin"]), alpha=alpha)
+    res.estimate, res.ci_low, res.ci_high = test.mean_difference, test.ci_low, test.ci_high
+    res.pvalue = test.pvalue
+    margin = float(claim["margin"])
+    if test.supported:
+        res.verdict = SUPPORTED
+    elif test.ci_low > margin or test.ci_high < -margin:
+        res.verdict = NOT_SUPPORTED
+    else:
+        res.verdict = INCONCLUSIVE
+    res.detail = (f"mean rel. error difference (poisson - top-k) over {len(both)} sequences "
+                  f"({len(cells)} (sequence, score, budget) cells averaged per sequence), "
+                  f"margin ±{margin}")
+    res.extra = {"pairs": len(both), "mean_random": float(both["random"].mean()),
+                 "mean_topk": float(both["topk"].mean())}
+    return res
+
+
+def error_budget_figure(results: pd.DataFrame) -> bytes:
+    """Mean relative attention error vs budget, one line per (score, design)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    # only the columns drawn and labelled are copied (policy_labels reads the last four)
+    df = results.loc[results["budget_unit"] == "fraction", [
+        c for c in ("score", "design", "budget", "rel_err", "mixture", "top_fraction",
+                    "allocator") if c in results.columns]]
+    # Designs that ignore the score give identical rows for every score: one line, one label.
+    df["label"] = policy_labels(df)
+    for label, g in df.groupby("label"):
+        first = g["score"].iloc[0]
+        m = g[g["score"] == first].groupby("budget")["rel_err"].mean()
+        ax.plot(m.index, m.values, marker="o", label=label)
+    ax.set_xlabel("budget (fraction of context)")
+    ax.set_ylabel("mean relative error |ô - o| / |o|")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("attention error vs budget")
+    return png_bytes(fig)
+
+
+def head_budget_figure(results: pd.DataFrame) -> bytes:
+    """Mean kept tokens per (layer, KV head) for each allocator of the certified policies."""
+    plt = pyplot()
+    df = results.loc[results["score"] != "full",
+                     ["allocator", "layer", "kv_head", "kept_tokens"]]
+    allocs = sorted(df["allocator"].dropna().unique()) or ["uniform"]
+    fig, axes = plt.subplots(1, len(allocs), figsize=(4.2 * len(allocs), 3.6), squeeze=False)
+    pivs = {a: df[df["allocator"] == a].pivot_table(index="layer", columns="kv_head",
+                                                    values="kept_tokens", aggfunc="mean")
+            for a in allocs}
+    # One scale for every panel, from 0: a uniform allocation reads as one flat colour instead
+    # of a per-panel stretch of rounding noise.
+    vmax = max([float(np.nanmax(p.values)) for p in pivs.values() if p.size] or [1.0])
+    for ax, alloc in zip(axes[0], allocs, strict=False):
+        piv = pivs[alloc]
+        im = ax.imshow(piv.values, aspect="auto", cmap="viridis", vmin=0, vmax=vmax)
+        ax.set_xticks(range(piv.shape[1]), [str(c) for c in piv.columns])
+        ax.set_xlabel("KV head")
+        ax.set_ylabel("layer")
+        ax.set_title(f"kept tokens ({alloc})", fontsize=10)
+        fig.colorbar(im, ax=ax)
+    return png_bytes(fig)
+
+
+__all__ = ["error_budget_figure", "evaluate_c1", "evaluate_c2_attention", "head_budget_figure"]
