@@ -28,8 +28,7 @@ PEER_CLAIM_COLUMNS = ("sequence_id", "config_id", "peer_bound_ok", "peer_den_ok"
 #: the analysis code is listed here.
 REPORT_COLUMNS = (
     "store", "model_id", "sequence_id", "task", "correct", "layer", "head", "kv_head",
-    "query_position", "query_role", "prompt_length", "n_positions", "attention_kind", "config_id",
-    "score",
+    "query_position", "query_role", "prompt_length", "n_positions", "config_id", "score",
     "design", "correction", "budget", "budget_unit", "allocator", "alpha", "beta", "schedule",
     "sinks", "window", "top_fraction", "mixture", "floor", "score_params", "certified",
     "summary_page", "deployable", "seed", "n_seeds", "err2", "rel_err", "cert2", "tail_size",
