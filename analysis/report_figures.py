@@ -7,14 +7,18 @@ masked, so sampling noise in a small run does not show up as structure.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 import numpy as np
 import pandas as pd
 from scipy import stats
 from tracesim.analysis.coverage import calibration_curve
 from tracesim.analysis.plotting import png_bytes, pyplot
 
-__all__ = ["accuracy_budget_figure", "certificate_error_figure", "coverage_heatmap",
-           "coverage_level_figure", "policy_labels"]
+__all__ = ["CertifiedRows", "accuracy_budget_figure", "certificate_error_figure",
+           "certified_rows", "coverage_heatmap", "coverage_level_figure", "heatmap_cells",
+           "policy_labels"]
 
 #: Heatmap cells backed by fewer sequences than this are masked (grey).
 MIN_CLUSTERS = 3
@@ -47,26 +51,54 @@ def _certified(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
     return df.loc[ok, cols]
 
 
-def certificate_error_figure(results: pd.DataFrame) -> tuple[bytes, str] | None:
-    """Realised error |ô − o| against the certificate C = sqrt(tr V̂), log–log, with y = x."""
+class CertifiedRows(NamedTuple):
+    """What the calibration figures draw of one design: its certified rows' squared
+    certificates and squared errors (float64, row order) and how many sequences they cover."""
+
+    cert2: np.ndarray
+    err2: np.ndarray
+    sequences: int
+
+
+def certified_rows(results: pd.DataFrame) -> dict[str, CertifiedRows]:
+    """:class:`CertifiedRows` per design (sorted) of a results table's certified rows with a
+    positive certificate and an error; the report builds the same from the dataset, one design
+    at a time, without the text columns."""
     df = _certified(results, ["design", "cert2", "err2", "sequence_id"])
-    if df.empty:
+    return {str(d): CertifiedRows(g["cert2"].to_numpy(float), g["err2"].to_numpy(float),
+                                  int(g["sequence_id"].nunique()))
+            for d, g in df.groupby("design", sort=True)}
+
+
+def _by_design(results: pd.DataFrame | Mapping[str, CertifiedRows]
+               ) -> Mapping[str, CertifiedRows]:
+    return certified_rows(results) if isinstance(results, pd.DataFrame) else results
+
+
+def certificate_error_figure(results: pd.DataFrame | Mapping[str, CertifiedRows]
+                             ) -> tuple[bytes, str] | None:
+    """Realised error |ô − o| against the certificate C = sqrt(tr V̂), log–log, with y = x.
+    ``results``: a results table, or :func:`certified_rows` of one."""
+    by_design = {d: r for d, r in _by_design(results).items() if r.cert2.size}
+    if not by_design:
         return None
     plt = pyplot()
-    designs = sorted(df["design"].unique())
+    designs = sorted(by_design)
     fig, axes = plt.subplots(1, len(designs), figsize=(4.4 * len(designs), 4.0), squeeze=False,
                              sharex=True, sharey=True)
-    c_all = np.sqrt(df["cert2"].to_numpy(float))
-    e_all = np.sqrt(df["err2"].to_numpy(float))
-    pos = np.concatenate([c_all[c_all > 0], e_all[e_all > 0]])
+    pos = []
+    for d in designs:
+        c_d, e_d = np.sqrt(by_design[d].cert2), np.sqrt(by_design[d].err2)
+        pos += [c_d[c_d > 0], e_d[e_d > 0]]
+    pos = np.concatenate(pos)  # quantiles below do not depend on the rows' order
     lo, hi = np.quantile(pos, [0.001, 0.999]) if pos.size else (1e-3, 1.0)
     lo, hi = lo / 2, hi * 2
     edges = np.geomspace(lo, hi, 40)
     ratios = []
     for ax, design in zip(axes[0], designs, strict=True):
-        g = df[df["design"] == design]
-        c = np.sqrt(g["cert2"].to_numpy(float))
-        e = np.sqrt(g["err2"].to_numpy(float))
+        g = by_design[design]
+        c = np.sqrt(g.cert2)
+        e = np.sqrt(g.err2)
         e_plot = np.clip(e, lo, hi)
         h, _, _ = np.histogram2d(np.clip(c, lo, hi), e_plot, bins=[edges, edges])
         ax.pcolormesh(edges, edges, np.ma.masked_equal(h.T, 0), cmap="Greys",
@@ -86,9 +118,9 @@ def certificate_error_figure(results: pd.DataFrame) -> tuple[bytes, str] | None:
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
         ax.set_xlabel("certificate C = sqrt(tr V̂) (value units)")
-        ax.set_title(f"{design}: {len(g)} rows, {g['sequence_id'].nunique()} seq.", fontsize=9)
+        ax.set_title(f"{design}: {c.size} rows, {g.sequences} seq.", fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
-        ratios.append(f"{design} {np.median(e / np.sqrt(g['cert2'].to_numpy(float))):.2f}")
+        ratios.append(f"{design} {np.median(e / c):.2f}")
     axes[0][0].set_ylabel("realised error |ô − o| (value units)")
     caption = ("Certificate against realised error, one point per certified (sequence, layer, "
                "head, query, configuration) row, log–log; grey shading counts rows (log "
@@ -106,11 +138,12 @@ def _log_norm(vmax: float):
     return LogNorm(vmin=1, vmax=max(vmax, 2))
 
 
-def coverage_level_figure(results: pd.DataFrame,
+def coverage_level_figure(results: pd.DataFrame | Mapping[str, CertifiedRows],
                           head_dim: int | None = None) -> tuple[bytes, str] | None:
-    """Empirical coverage of |e| <= z C across nominal levels (``calibration_curve``)."""
-    df = _certified(results, ["design", "cert2", "err2", "sequence_id"])
-    if df.empty:
+    """Empirical coverage of |e| <= z C across nominal levels (``calibration_curve``).
+    ``results``: a results table, or :func:`certified_rows` of one."""
+    by_design = {d: r for d, r in _by_design(results).items() if r.cert2.size}
+    if not by_design:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.2, 4.2))
@@ -122,10 +155,10 @@ def coverage_level_figure(results: pd.DataFrame,
     ax.fill_between(levels, levels, stats.chi2.cdf(z2 * d, d), color="0.85",
                     label=f"calibrated, effective dof 1..{d}")
     ax.plot(levels, levels, "k--", lw=1, label="y = x (dof 1)")
-    for design, g in df.groupby("design"):
-        t = np.sqrt(g["err2"].to_numpy(float) / g["cert2"].to_numpy(float))
-        lv, emp = calibration_curve(t, levels)
-        ax.plot(lv, emp, lw=1.8, label=f"{design} ({g['sequence_id'].nunique()} seq.)")
+    for design in sorted(by_design):
+        g = by_design[design]
+        lv, emp = calibration_curve(np.sqrt(g.err2 / g.cert2), levels)
+        ax.plot(lv, emp, lw=1.8, label=f"{design} ({g.sequences} seq.)")
     ax.set_xlabel("nominal level")
     ax.set_ylabel("share of rows with |e| <= z C")
     ax.set_xlim(0.5, 1.0)
@@ -195,20 +228,34 @@ def accuracy_budget_figure(outcomes: pd.DataFrame) -> tuple[bytes, str] | None:
     return png_bytes(fig), caption
 
 
-def coverage_heatmap(results: pd.DataFrame, column: str, nominal: float,
-                     min_clusters: int = MIN_CLUSTERS) -> tuple[bytes, str] | None:
-    """Coverage per (layer, query head), one panel per certified design, fixed diverging
-    scale centred on nominal; cells with fewer than ``min_clusters`` sequences are masked."""
+def heatmap_cells(results: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Per (design, layer, head) of the certified rows with a positive certificate, an error
+    and a ``column`` value: ``coverage`` (mean of ``column``), ``sequences`` (distinct) and
+    ``rows``; the report computes the same cells in DuckDB."""
     df = _certified(results, ["design", "cert2", "err2", "sequence_id", "layer", "head", column])
-    if df.empty or column not in df or df[column].notna().sum() == 0:
+    if df.empty or column not in df:
+        return pd.DataFrame(columns=["design", "layer", "head", "coverage", "sequences", "rows"])
+    df = df[df[column].notna()]
+    return (df.groupby(["design", "layer", "head"])
+            .agg(coverage=(column, "mean"), sequences=("sequence_id", "nunique"),
+                 rows=(column, "size")).reset_index())
+
+
+def coverage_heatmap(results: pd.DataFrame, column: str, nominal: float,
+                     min_clusters: int = MIN_CLUSTERS, *,
+                     cells: pd.DataFrame | None = None) -> tuple[bytes, str] | None:
+    """Coverage per (layer, query head), one panel per certified design, fixed diverging
+    scale centred on nominal; cells with fewer than ``min_clusters`` sequences are masked.
+    ``cells`` (:func:`heatmap_cells`' columns) replaces ``results`` when given."""
+    cells = heatmap_cells(results, column) if cells is None else cells
+    if cells.empty:
         return None
     from matplotlib.colors import TwoSlopeNorm
 
-    df = df[df[column].notna()]
     plt = pyplot()
-    designs = sorted(df["design"].unique())
-    layers = np.sort(df["layer"].unique())
-    heads = np.sort(df["head"].unique())
+    designs = sorted(cells["design"].unique())
+    layers = np.sort(cells["layer"].unique())
+    heads = np.sort(cells["head"].unique())
     fig, axes = plt.subplots(1, len(designs), figsize=(0.5 + 0.35 * len(heads) * len(designs)
                                                       + 1.5 * len(designs),
                                                       1.2 + 0.16 * len(layers)),
@@ -219,11 +266,10 @@ def coverage_heatmap(results: pd.DataFrame, column: str, nominal: float,
     ns = []
     im = None
     for ax, design in zip(axes[0], designs, strict=True):
-        g = df[df["design"] == design]
-        cov = g.pivot_table(index="layer", columns="head", values=column, aggfunc="mean")
-        nseq = g.pivot_table(index="layer", columns="head", values="sequence_id",
-                             aggfunc="nunique")
-        rows = g.pivot_table(index="layer", columns="head", values=column, aggfunc="size")
+        g = cells[cells["design"] == design]
+        cov = g.pivot(index="layer", columns="head", values="coverage")
+        nseq = g.pivot(index="layer", columns="head", values="sequences")
+        rows = g.pivot(index="layer", columns="head", values="rows")
         cov = cov.reindex(index=layers, columns=heads)
         nseq = nseq.reindex(index=layers, columns=heads).fillna(0)
         rows = rows.reindex(index=layers, columns=heads).fillna(0)
