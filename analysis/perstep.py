@@ -10,7 +10,7 @@ With ``--calibration DIR`` it also fits a split-conformal radius per configurati
 calibration results and reports its held-out coverage: ``kappa`` is the smallest multiple with
 ``|o_hat - o| <= kappa C`` on a 95 % share of calibration rows (the ``ceil((n + 1) 0.95)``-th
 smallest ``|o_hat - o| / C``), ``conf_cov`` the held-out share with ``|o_hat - o| <= kappa C``.
-With ``--prereg`` it evaluates claims C9 (from the results) and C10 (from ``--peers`` output
+With ``--prereg`` it evaluates claims C9 and C11 (from the results) and C10 (from ``--peers`` output
 of ``tracesim peers``), as ``tracesim report`` does (:mod:`tracesim.analysis.claims_perstep`).
 
 With ``--by COLUMN`` (e.g. ``store`` for the length sweep) it prints one table per value of that
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", default=None,
                     help="results whose rows fit the conformal radius (another set of sequences)")
     ap.add_argument("--peers", nargs="*", default=[], help="tracesim peers output directories")
-    ap.add_argument("--prereg", default=None, help="evaluate C9 and C10 of this file")
+    ap.add_argument("--prereg", default=None, help="evaluate C9, C11 and C10 of this file")
     ap.add_argument("--by", default=None, metavar="COLUMN",
                     help="one table per value of this result column, e.g. 'store' for a "
                          "length sweep (each value's own top-k baseline and costs)")
@@ -159,7 +159,18 @@ def main(argv: list[str] | None = None) -> int:
         claims = []
         if args.prereg:
             pre = load_prereg(args.prereg)
-            claims.append(evaluate_c9(df, pre.claims["C9"], pre.claim_alpha("C9")))
+            # C11 is C9's rule on Gemma 3's rows: each evaluates where its rows are; a
+            # configuration that cannot be compared fails only when neither claim evaluates
+            errors = {}
+            for cid in ("C9", "C11"):
+                try:
+                    claims.append(evaluate_c9(df, pre.claims[cid], pre.claim_alpha(cid), cid))
+                except ValueError as exc:
+                    errors[cid] = str(exc)
+            if len(errors) == 2:
+                raise ValueError(errors["C9"])
+            claims += [{"claim": cid, "verdict": "not evaluated", "reason": why}
+                       for cid, why in errors.items()]
             if args.peers:
                 peers = load_peers(args.peers)
                 claims.append(evaluate_c10(peers, pre.claims["C10"], pre.claim_alpha("C10")))

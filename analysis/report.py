@@ -146,8 +146,17 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         report.notes.append("WARNING: the pre-registration changed after these results were "
                             "produced; reported anyway because --allow-prereg-change was given.")
     report.notes += [f"WARNING: {Path(d).name}/peers.parquet (C10) records no sha256 and no "
-                     "pre-registration hash (tracesim peers does not sign its table); it is "
-                     "read as given" for d in peers_dirs]
+                     "pre-registration hash (written by a version of tracesim peers that did "
+                     "not sign its table); it is read as given" for d in peers_dirs
+                     if not (Path(d) / "results" / "manifest.json").is_file()]
+    if results is not None and "model_id" in results:
+        models = results.query("SELECT DISTINCT model_id FROM results WHERE model_id IS NOT "
+                               "NULL ORDER BY model_id")["model_id"].tolist()
+        if len(models) > 1:  # a claim's held-out set is one model's sequences
+            report.notes.append(
+                f"NOTE: the results hold rows of {len(models)} models ({', '.join(models)}); "
+                "C11 reads only its model's rows, every other results claim pools them: give "
+                "each model's results to a report of its own to read those claims per model.")
     adversary = None
     for d in (adversary_dir, results_dir):
         if d is not None and (Path(d) / "adversary.json").is_file():

@@ -254,3 +254,17 @@ def test_printed_summary_is_aggregated_batch_by_batch(runs):
         line = next(x for x in whole.splitlines() if f" {design} " in x)
         assert format(g["err2"].mean(), "10.4g") in line
         assert f"{g['err2'].count():>6}" in line
+
+
+def test_a_signed_peers_dataset_is_read_without_the_unsigned_warning(tmp_path):
+    from tracesim.analysis.report import build_report
+
+    store = build_store(tmp_path / "s", n_seqs=2, n_layers=1, n_heads=2, n_kv=1, d=8)
+    assert cli_main(["peers", str(store), "--peer", "vattention", "--seeds", "2", "--quiet",
+                     "--out", str(tmp_path / "p")]) == 0
+    prereg = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
+    report = build_report(None, None, prereg_path=prereg, peers_dirs=[tmp_path / "p"])
+    assert not any("records no sha256" in n for n in report.notes), report.notes
+    (tmp_path / "p" / "results" / "manifest.json").unlink()  # not a dataset: warned, refused
+    with pytest.raises((UsageError, ValueError)):
+        build_report(None, None, prereg_path=prereg, peers_dirs=[tmp_path / "p"])
