@@ -217,3 +217,41 @@ def test_rows_name_the_family():
     assert row["score"] == "confkv_fixed" and row["budget"] == 0.25
     assert ConfKVConfig(ConfKV()).row()["score"] == "confkv"
     assert ConfKVConfig(ConfKV.streaming(0.2)).row()["sinks"] == 4
+
+
+def test_evict_runs_the_family_besides_the_grid(tiny_store, tmp_path):
+    import pyarrow.parquet as pq
+    from tracesim.capture.inloop.evict_run import run_evict
+
+    path, loaded = tiny_store
+    family = [ConfKV(window=4), ConfKV("fixed", budget=0.3, window=4),
+              ConfKV.streaming(0.3, window=4)]
+    out = tmp_path / "o"
+    summary = run_evict(path, [make_policy("full")], seeds=1, out=out, model=loaded,
+                        progress=False, confkv=family)
+    df = pq.read_table(out / "outcomes.parquet").to_pandas()
+    assert summary["n_rows"] == len(df) == 2 * 4
+    assert set(df.score) == {"full", "confkv", "confkv_fixed", "streaming"}
+    assert (df.model_id == "tiny-llama").all() and df.seed.isna().all()
+    fam = df[df.score != "full"]
+    assert (fam.kept_tokens_mean < fam.prompt_length).all()
+    fixed = fam[fam.score == "confkv_fixed"]
+    # a fixed share keeps round(0.3 t) of the t tokens of [0, t) at every step
+    assert np.allclose(fixed.kept_tokens_mean / (fixed.prompt_length + (fixed.n_generated - 2)
+                                                 / 2), 0.3, atol=0.01)
+
+
+@pytest.mark.parametrize(("names", "params", "word"), [
+    ("confkv,h2o", "{}", "h2o"), ("fixed", "{}", "budget"),
+    ("confkv", '{"fixed": {"budget": 0.2}}', "fixed"),
+    ("confkv", '{"confkv": {"bogus": 1}}', "bogus"), (None, '{"confkv": {}}', "--confkv")])
+def test_cli_values_exit_2_naming_the_field(names, params, word):
+    from tracesim.capture.inloop.confkv_loop import confkv_from_cli
+
+    from tracesim.errors import UsageError
+
+    with pytest.raises(UsageError, match=word):
+        confkv_from_cli(names, params)
+    cfgs = confkv_from_cli("confkv,fixed,streaming",
+                           '{"fixed": {"budget": 0.2}, "streaming": {"budget": 0.2}}')
+    assert [c.mode for c in cfgs] == ["confkv", "fixed", "streaming"] and cfgs[2].sinks == 4

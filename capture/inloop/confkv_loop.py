@@ -34,7 +34,54 @@ from tracesim.capture.inloop.confkv import (
     rank_scores,
 )
 
-__all__ = ["ConfKVConfig", "ConfKVState", "decode_confkv", "initial_mass"]
+__all__ = ["ConfKVConfig", "ConfKVState", "confkv_from_cli", "decode_confkv", "initial_mass"]
+
+
+def confkv_from_cli(names: str | None, params_json: str = "{}") -> list[ConfKV] | None:
+    """The configurations of ``evict --confkv NAMES --confkv-params JSON``.
+
+    Raises
+    ------
+    tracesim.errors.UsageError
+        Naming the option and the field (exit status 2).
+    """
+    from tracesim.capture.inloop.confkv import MODES
+
+    from tracesim.errors import UsageError
+    from tracesim.safeio import loads_json
+
+    if names is None:
+        if params_json != "{}":
+            raise UsageError("--confkv-params: only applies with --confkv NAMES")
+        return None
+    try:
+        params = loads_json(params_json, "--confkv-params")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
+        raise UsageError("--confkv-params: expected a JSON mapping {name: {field: value}}")
+    bad = [n for n in wanted if n not in MODES] + sorted(set(params) - set(wanted))
+    if not wanted or bad:
+        raise UsageError(f"--confkv {names!r} / --confkv-params: {bad[0] if bad else 'nothing'}"
+                         f" is not expected; names from {', '.join(MODES)}, and parameters only "
+                         "for those")
+    out = []
+    for name in wanted:
+        fields = dict(params.get(name, {}))
+        if "mode" in fields:
+            raise UsageError(f"--confkv-params: {name}.mode: the name sets the mode")
+        if name == "streaming":
+            fields.setdefault("sinks", 4)
+        try:
+            out.append(ConfKV(mode=name, **fields))
+        except TypeError as exc:
+            raise UsageError(f"--confkv-params: {name}: {exc}; expected fields of ConfKV "
+                             "(budget_min, budget_max, budget, window, sinks, alpha, ema)"
+                             ) from None
+        except ValueError as exc:
+            raise UsageError(f"--confkv-params: {name}: {exc}") from None
+    return out
 
 
 @dataclass(frozen=True)
