@@ -255,3 +255,21 @@ def test_cli_values_exit_2_naming_the_field(names, params, word):
     cfgs = confkv_from_cli("confkv,fixed,streaming",
                            '{"fixed": {"budget": 0.2}, "streaming": {"budget": 0.2}}')
     assert [c.mode for c in cfgs] == ["confkv", "fixed", "streaming"] and cfgs[2].sinks == 4
+
+
+def test_c12_study_matches_the_twin_and_merges_into_signed_outcomes(tiny_store, tmp_path):
+    from tracesim.analysis.results_io import load_outcomes
+    from tracesim.capture.inloop.confkv_study import merge, run_c12
+
+    path, loaded = tiny_store
+    summary = run_c12(path, loaded, tmp_path / "a", confkv=ConfKV(window=4), progress=False)
+    share = summary["matched_share"]
+    assert 0.1 <= share <= 0.5
+    merged = merge(tmp_path / "m", [tmp_path / "a"])
+    df, signed = load_outcomes(tmp_path / "m")
+    assert merged["n_rows"] == len(df) == 2 * 3 and signed["n_rows"] == 6
+    assert df.sequence_id.str.startswith("tiny-llama/").all()
+    by = df.groupby("score").kept_tokens_mean.mean()
+    # the twin keeps, on average, what Conf-KV kept (rounding of the share per step aside)
+    assert abs(by["confkv_fixed"] / by["confkv"] - 1) < 0.05
+    assert abs(by["streaming"] / by["confkv"] - 1) < 0.05

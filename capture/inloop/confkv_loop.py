@@ -104,7 +104,7 @@ class ConfKVConfig:
         out: dict[str, Any] = dict.fromkeys(POLICY_COLUMNS)
         out.update(config_id=self.id, score={"confkv": "confkv", "fixed": "confkv_fixed",
                                               "streaming": "streaming"}[c.mode],
-                   budget=math.nan if c.budget is None else float(c.budget),
+                   design=c.mode, budget=math.nan if c.budget is None else float(c.budget),
                    budget_unit="share", schedule="step", sinks=c.sinks, window=c.window,
                    certified=False, deployable=True,
                    score_params=str(sorted(c.to_dict().items())))
