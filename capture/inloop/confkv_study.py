@@ -128,7 +128,9 @@ def merge(out: str | Path, dirs: list[str | Path]) -> dict[str, Any]:
     table = describe_table(pa.concat_tables(tables, promote_options="default"))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"studies": [str(d) for d in dirs], "n_rows": table.num_rows,
+    # every configuration is deterministic (seed null); like tracesim evict's summary, the seed
+    # list names the one seed a randomized configuration would have used
+    summary = {"studies": [str(d) for d in dirs], "n_rows": table.num_rows, "seeds": [0],
                "models": sorted(set(table["model_id"].to_pylist()))}
     with atomic_files(out, ["outcomes.parquet", "summary.json"]) as stage:
         pq.write_table(table, stage / "outcomes.parquet")
