@@ -90,6 +90,11 @@ def prefill_sequence(
         cache, logits = prefill(model, prompt_ids, state=state, prefill_chunk=prefill_chunk)
     info = rope_info(model)
     rope = None if info["rope_theta"] is None else info
+    # The scores must see each layer's attention as the model computes it: a sliding layer's
+    # window, the logit soft-cap and learned sinks enter the trace (LayerTrace.attention).
+    variants = attention_variants(model)
+    kinds, caps, sinks = (variants["layer_attention"], variants["attn_logit_softcap"],
+                          variants["sinks"])
     traces = []
     for layer, arrays in enumerate(state.finalize()):
         if arrays.positions.tolist() != positions:
@@ -100,7 +105,9 @@ def prefill_sequence(
             queries=arrays.queries.astype(f64), h2o=arrays.h2o.astype(f64),
             query_positions=np.asarray(positions, dtype=np.int64), query_roles=list(roles),
             prompt_length=P, question_start=int(question_start), scale=float(scaling),
-            outputs=arrays.outputs.astype(f64), rope=rope))
+            outputs=arrays.outputs.astype(f64), rope=rope,
+            window=None if kinds is None else kinds[layer]["window"], softcap=caps,
+            sinks=None if sinks is None else np.asarray(sinks[layer], dtype=f64)))
     n_kv = traces[0].n_kv_heads
     grams = _group_grams(model, n_kv) if layer_certificate else {}
     return Prefill(cache=cache, logits=logits, traces=traces, prompt_length=P, grams=grams)
@@ -149,7 +156,8 @@ def _trace_at(prefill: Prefill, state: EvictionState, layer: int, tau: int) -> L
     return LayerTrace(layer=layer, keys=keys, values=values, queries=queries, h2o=h2o,
                       query_positions=positions.astype(np.int64), query_roles=roles,
                       prompt_length=base.prompt_length, question_start=base.question_start,
-                      scale=base.scale, rope=base.rope)
+                      scale=base.scale, rope=base.rope, window=base.window,
+                      softcap=base.softcap, sinks=base.sinks)
 
 
 @dataclass

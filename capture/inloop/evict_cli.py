@@ -55,11 +55,16 @@ def _command(args: argparse.Namespace) -> int:
         from tracesim.capture.inloop.peers import peers_from_cli
 
         peers = peers_from_cli(args.peer, args.peer_params)
+    confkv = None
+    if args.confkv is not None or args.confkv_params != "{}":
+        from tracesim.capture.inloop.confkv_loop import confkv_from_cli
+
+        confkv = confkv_from_cli(args.confkv, args.confkv_params)
     sequences = (None if args.per_task is None else _first_per_task(args.traces, args.per_task))
     summary = run_evict(args.traces, policies, seeds=seeds, out=args.out, model=args.model,
                         max_new_tokens=args.max_new_tokens, device=args.device,
                         layer_certificate=not args.no_layer_certificate, fetch=fetch,
-                        peers=peers, sequences=sequences)
+                        peers=peers, sequences=sequences, confkv=confkv)
     _print_summary(summary)
     return 0
 
@@ -176,6 +181,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--peer-params", default="{}", metavar="JSON",
                    help="peer parameters, e.g. '{\"quest\": {\"budget\": 0.25}}' (with --peer; "
                    "the grammar of 'tracesim peers --peer-params')")
+    p.add_argument("--confkv", default=None, metavar="NAMES",
+                   help="comma-separated Conf-KV family configurations run in the loop besides "
+                   "the grid: confkv (per-step budget from the model's confidence), fixed (its "
+                   "ranking and window at a fixed share), streaming (sinks + recent tokens) "
+                   "(default: none; docs/evict.md, 'Conf-KV')")
+    p.add_argument("--confkv-params", default="{}", metavar="JSON",
+                   help="their fields, e.g. '{\"fixed\": {\"budget\": 0.2}}' (with --confkv; "
+                   "fixed and streaming need a budget share)")
     from tracesim.policies.cli_grid import add_design_options
 
     add_design_options(p)

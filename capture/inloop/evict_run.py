@@ -48,7 +48,8 @@ def _write_atomic(table: Any, path: Path) -> None:
 
 def run_key(policies: Sequence[Any], seeds: Sequence[int], *, model_id: str, store: Any,
             max_new_tokens: int | None, layer_certificate: bool,
-            fetch: Sequence[Any] | None = None, peers: Sequence[Any] | None = None) -> str:
+            fetch: Sequence[Any] | None = None, peers: Sequence[Any] | None = None,
+            confkv: Sequence[Any] | None = None) -> str:
     """Digest of everything that determines the outcome rows (the resume key of a run)."""
     doc: dict[str, Any] = {"policies": [p.id for p in policies], "seeds": [int(s) for s in seeds],
            "model_id": model_id, "store_model": store.model.to_dict(),
@@ -59,6 +60,8 @@ def run_key(policies: Sequence[Any], seeds: Sequence[int], *, model_id: str, sto
         doc["fetch"] = [{**f.row(), "memory": f.memory.to_dict()} for f in fetch]
     if peers:  # likewise runs without peers
         doc["peers"] = [p.label() for p in peers]
+    if confkv:  # likewise runs without Conf-KV configurations
+        doc["confkv"] = [c.label for c in confkv]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -76,6 +79,7 @@ def run_evict(
     device: str = "cpu",
     fetch: Sequence[Any] | None = None,
     peers: Sequence[Any] | None = None,
+    confkv: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
     """Run every policy and seed in the loop over a store's sequences; return the summary.
 
@@ -105,6 +109,9 @@ def run_evict(
     peers : sequence of tracesim.peers.Peer, optional
         Peers run in the loop besides the policies, each with its own estimator at every
         decode step (:mod:`tracesim.capture.inloop.peers`); randomized ones once per seed.
+    confkv : sequence of tracesim.capture.inloop.confkv.ConfKV, optional
+        Conf-KV family configurations run in the loop besides the policies, each once
+        (:mod:`tracesim.capture.inloop.confkv_loop`).
     """
     import pyarrow.parquet as pq
     from tracesim.capture.models import LoadedModel, load_model, model_info
@@ -163,7 +170,7 @@ def run_evict(
     try:
         key = run_key(policies, seed_list, model_id=loaded.model_id, store=store,
                       max_new_tokens=max_new_tokens, layer_certificate=layer_certificate,
-                      fetch=fetch, peers=peers)
+                      fetch=fetch, peers=peers, confkv=confkv)
         parts = out / "parts" / key
         parts.mkdir(parents=True, exist_ok=True)
         # The lock is held: temporary files here belong to killed runs on this directory.
@@ -171,7 +178,7 @@ def run_evict(
         remove_stale_tmp(out / "parts", recursive=True)
         table, summary = _run_locked(store, store_path, loaded, policies, seed_list, ids, out,
                                      parts, key, max_new_tokens, layer_certificate, progress,
-                                     fetch, peers)
+                                     fetch, peers, confkv)
         # The outcomes and the summary that signs them (rows, sha256, configurations) are one
         # unit: the report refuses outcomes that do not match their summary.
         with atomic_files(out, ["outcomes.parquet", "summary.json"]) as stage:
@@ -197,8 +204,8 @@ def _check_fetch(policies: Sequence[Any], fetch: Sequence[Any]) -> None:
 
 
 def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts, key,
-                max_new_tokens, layer_certificate, progress, fetch=None, peers=None
-                ) -> dict[str, Any]:
+                max_new_tokens, layer_certificate, progress, fetch=None, peers=None,
+                confkv=None) -> dict[str, Any]:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -222,6 +229,10 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
 
         runs += [(PeerConfig(q), s, None) for q in peers
                  for s in (seed_list if q.randomized else [-1])]
+    if confkv:
+        from tracesim.capture.inloop.confkv_loop import ConfKVConfig
+
+        runs += [(ConfKVConfig(c), -1, None) for c in confkv]
     start = time.time()
     done = skipped = 0
     bar = tqdm(total=len(ids) * len(runs), desc="evict", unit="run", disable=not progress)
@@ -252,7 +263,12 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
         for policy, seed, fc in runs:
             t0 = time.perf_counter()
             # a peer, with its own estimator (tracesim.capture.inloop.peers)
-            if hasattr(policy, "peer"):
+            if hasattr(policy, "confkv"):
+                from tracesim.capture.inloop.confkv_loop import decode_confkv
+
+                res = decode_confkv(loaded.model, pre, policy.confkv, budget, eos)
+                row = outcome_row(meta, policy, seed, res, loaded.tokenizer, store.model.n_layers)
+            elif hasattr(policy, "peer"):
                 from tracesim.capture.inloop.peers import decode_peer, peer_step_columns
 
                 res = decode_peer(loaded.model, pre, policy.peer, budget, eos, max(seed, 0))
@@ -270,6 +286,7 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
 
                 row.update(fetch_columns(fc, res.fetch_log))
             row["decode_seconds"] = time.perf_counter() - t0
+            row["model_id"] = loaded.model_id
             rows.append(row)
             bar.update(1)
         _write_atomic(nullify_rows(rows), target)
@@ -281,7 +298,8 @@ def _run_locked(store, store_path, loaded, policies, seed_list, ids, out, parts,
     summary = {
         "store": str(store_path), "model_id": loaded.model_id, "n_sequences": len(ids),
         "sequences_written": done, "sequences_skipped": skipped, "n_rows": table.num_rows,
-        "policies": [p.id for p in policies] + [p.label() for p in peers or []],
+        "policies": ([p.id for p in policies] + [p.label() for p in peers or []]
+                     + [c.label for c in confkv or []]),
         "seeds": seed_list, "run_key": key,
         "wall_seconds": time.time() - start,
     }

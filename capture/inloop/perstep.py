@@ -76,7 +76,8 @@ def step_trace(base: LayerTrace, record: LayerRecord | None, query: torch.Tensor
                       values=value.double().cpu().numpy(), queries=np.concatenate(queries, 1),
                       h2o=h2o, query_positions=np.concatenate(positions).astype(np.int64),
                       query_roles=roles, prompt_length=base.prompt_length,
-                      question_start=base.question_start, scale=base.scale, rope=base.rope)
+                      question_start=base.question_start, scale=base.scale, rope=base.rope,
+                      window=base.window, softcap=base.softcap, sinks=base.sinks)
 
 
 class PerStepState(EvictionState):
