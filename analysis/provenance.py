@@ -81,7 +81,8 @@ def _seeds(summary: dict[str, Any] | None, df: pd.DataFrame, column: str) -> str
     if isinstance(s, int):
         return str(s)
     if column in df and not df.empty:
-        return str(int(pd.to_numeric(df[column], errors="coerce").max()))
+        largest = pd.to_numeric(df[column], errors="coerce").max()
+        return None if pd.isna(largest) else str(int(largest))  # all null: deterministic
     return None
 
 

@@ -99,3 +99,12 @@ def test_the_source_digest_covers_paths_and_bytes(tmp_path):
     assert source_digest(tmp_path, files) == h.hexdigest()
     (tmp_path / "b.py").rename(tmp_path / "c.py")
     assert source_digest(tmp_path, sorted(tmp_path.glob("*.py"))) != h.hexdigest()
+
+
+def test_seeds_of_outcomes_whose_seed_column_is_all_null_are_not_an_error():
+    import pandas as pd
+    from tracesim.analysis.provenance import _seeds
+
+    df = pd.DataFrame({"seed": [None, None]}, dtype="float64")
+    assert _seeds(None, df, "seed") is None
+    assert _seeds(None, pd.DataFrame({"seed": [None, 3.0]}), "seed") == "3"
