@@ -17,6 +17,16 @@ def _command(args: argparse.Namespace) -> int:
 
     from tracesim.outpaths import check_output
 
+    if args.outcomes_only is not None:
+        if args.outcomes is not None:
+            print("tracesim report: --outcomes-only: expected no second positional outcomes "
+                  "directory with it", file=sys.stderr)
+            return 2
+        args.outcomes = args.outcomes_only
+    if args.results is None and args.outcomes is None:
+        print("tracesim report: expected a results directory (or --outcomes-only DIR)",
+              file=sys.stderr)
+        return 2
     try:
         check_output(args.out, [("results", args.results), ("outcomes", args.outcomes),
                                 ("adversary results", args.adversary),
@@ -52,9 +62,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Refuses results produced under another pre-registration. See docs/report.md.",
         epilog="example:\n  tracesim report sweep-out/ outcomes/ --adversary adversary/ "
         "--traces traces/ --out report/")
-    p.add_argument("results", help="replay or sweep output directory")
+    p.add_argument("results", nargs="?", default=None,
+                   help="replay or sweep output directory (omit it with --outcomes-only)")
     p.add_argument("outcomes", nargs="?", default=None,
                    help="evict output directory (default: none; C3, C4, C6 not evaluated)")
+    p.add_argument("--outcomes-only", default=None, metavar="DIR",
+                   help="an evict output directory, reported with or without replay results "
+                   "(alone: C3, C4, C6, C12 and C2's end-to-end part; the results claims not "
+                   "evaluated)")
     p.add_argument("--out", required=True, help="report directory")
     p.add_argument("--prereg", default=str(_DEFAULT_PREREG),
                    help="pre-registration file (default: data/prereg.yaml)")
