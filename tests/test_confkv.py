@@ -1,6 +1,7 @@
 """Conf-KV in the loop: its confidence -> budget rule and its kept sets against loop references,
 full budget as the full cache, and the same on a tiny Gemma 3 (sliding layers)."""
 
+import json
 import math
 
 import numpy as np
@@ -273,3 +274,15 @@ def test_c12_study_matches_the_twin_and_merges_into_signed_outcomes(tiny_store, 
     # the twin keeps, on average, what Conf-KV kept (rounding of the share per step aside)
     assert abs(by["confkv_fixed"] / by["confkv"] - 1) < 0.05
     assert abs(by["streaming"] / by["confkv"] - 1) < 0.05
+    # the CLI reports the merged outcomes alone: C12 reads them, the results claims do not
+    from tracesim.analysis.claims import INPUT_MISSING
+
+    from tracesim.app.cli import main as cli_main
+
+    rc = cli_main(["report", "--outcomes-only", str(tmp_path / "m"), "--out",
+                   str(tmp_path / "r")])
+    assert rc == 0
+    saved = {c["claim"]: c for c in json.loads((tmp_path / "r" / "claims.json").read_text())}
+    assert saved["C1"]["verdict"] == "not evaluated"
+    assert saved["C12"]["detail"] != INPUT_MISSING["outcomes"]
+    assert cli_main(["report", "--out", str(tmp_path / "r2")]) == 2
