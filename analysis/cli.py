@@ -63,13 +63,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="example:\n  tracesim report sweep-out/ outcomes/ --adversary adversary/ "
         "--traces traces/ --out report/")
     p.add_argument("results", nargs="?", default=None,
-                   help="replay or sweep output directory (omit it with --outcomes-only)")
+                   help="replay or sweep output directory (default: none, with "
+                   "--outcomes-only; the results claims are then not evaluated)")
     p.add_argument("outcomes", nargs="?", default=None,
                    help="evict output directory (default: none; C3, C4, C6 not evaluated)")
     p.add_argument("--outcomes-only", default=None, metavar="DIR",
                    help="an evict output directory, reported with or without replay results "
                    "(alone: C3, C4, C6, C12 and C2's end-to-end part; the results claims not "
-                   "evaluated)")
+                   "evaluated) (default: none; outcomes are the second positional)")
     p.add_argument("--out", required=True, help="report directory")
     p.add_argument("--prereg", default=str(_DEFAULT_PREREG),
                    help="pre-registration file (default: data/prereg.yaml)")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 from tracesim.capture.cli import parse_indices
 from tracesim.capture.prompts import PromptError, grade_answer, load_prompts, render_prompt
 
 from tracesim.app.cli import main
+from tracesim.dataset import read_results
 from tracesim.store import open_store, validate_store
 
 FIVE = [
@@ -143,7 +143,7 @@ def test_five_prompts_capture_validate_replay_report(tmp_path, capsys):
     assert main(["replay", str(store), "--score", "snapkv,keydiff", "--design", "topk,poisson",
                  "--budget", "0.5", "--seeds", "4", "--window", "4", "--no-progress",
                  "--out", str(results)]) == 0
-    table = pq.read_table(next(results.rglob("*.parquet"))).to_pandas()
+    table = read_results(results).to_pandas()  # every part, verified
     assert set(table["layer"]) == {0, 1, 2} and set(table["head"]) == {0, 1, 2}
     assert set(table["sequence_id"]) == set(rows)
     # An ungraded prompt stays null in the results, never a made-up False.

@@ -82,7 +82,7 @@ def test_replay_summary_names_the_proxy_and_marks_what_is_not_deployable(store_p
     assert code == 0, captured.err
     assert "quant:4 (deployable)" in captured.out
     assert "per-step score: proxy quant:4 (deployable)" in captured.err
-    configs = json.loads((tmp_path / "q" / "configs.json").read_text())
+    configs = json.loads((tmp_path / "q" / "results" / "configs.json").read_text())
     assert [c["score"]["proxy"] for c in configs] == ["quant:4"]
     # the default proxy is printed as what it is
     code = cli_main(["replay", str(store_path), "--score", "perstep", "--design", "poisson",
