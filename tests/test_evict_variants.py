@@ -77,9 +77,50 @@ def test_unimplemented_in_loop_variants_are_refused_before_decoding():
     with pytest.raises(ValueError, match="certificates with attention sinks"):
         decode_policy(model, pre, layer_plans(pre.traces, certified, seed=0), N_NEW, set(),
                       policy=certified, seed=0)
-    gemma3 = tiny_model("gemma3", seed=3)
-    per_step = make_policy("perstep", "poisson", 0.5, schedule="step",
+    gemma2 = tiny_model("gemma2", seed=3)
+    per_step = make_policy("perstep", "topk", 0.5, schedule="step",
                            score_params={"window": 4, "proxy": "exact"})
-    with pytest.raises(ValueError, match="per-step designs on a model with sliding windows"):
-        decode_policy(gemma3, _prefill(gemma3, _prompt()), {}, N_NEW, set(), policy=per_step,
+    with pytest.raises(ValueError, match="per-step designs on a model with soft-cap"):
+        decode_policy(gemma2, _prefill(gemma2, _prompt()), {}, N_NEW, set(), policy=per_step,
                       seed=0)
+
+
+def test_per_step_designs_draw_within_a_sliding_window():
+    """gemma3 (layer 0 sliding, window 8 < the prompt): at full budget a per-step Poisson design
+    reproduces the model's logits; at 50 % its one-pass decode (window folded into the bias)
+    agrees with the SDPA path (the model's own sliding mask), and a sliding layer never attends
+    more than its window."""
+    model = tiny_model("gemma3", seed=3)
+    prompt = _prompt()
+    pre = _prefill(model, prompt)
+    window = model.config.sliding_window
+    assert pre.prompt_length > window
+    full = make_policy("perstep", "poisson", 1.0, schedule="step",
+                       score_params={"window": 4, "proxy": "exact"})
+    res = decode_policy(model, pre, {}, N_NEW, set(), policy=full, seed=0)
+    set_attention(model, "eager")
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
+                             pad_token_id=0, eos_token_id=None, min_new_tokens=N_NEW,
+                             output_logits=True, return_dict_in_generate=True)
+    ids = out.sequences[0, PROMPT_LEN:].tolist()
+    assert res.generated_ids == ids
+    logprobs = [float(torch.log_softmax(lg[0].double(), -1)[t])
+                for lg, t in zip(out.logits, ids, strict=True)]
+    np.testing.assert_allclose(res.logprobs, logprobs, rtol=0, atol=1e-4)
+
+    model = tiny_model("gemma3", seed=3)
+    pre = _prefill(model, prompt)
+    half = make_policy("perstep", "poisson", 0.5, schedule="step",
+                       score_params={"window": 4, "proxy": "exact"})
+    one = decode_policy(model, pre, {}, N_NEW, set(), policy=half, seed=1)
+    two = decode_policy(model, pre, {}, N_NEW, set(), policy=half, seed=1, one_pass=False)
+    assert one.generated_ids == two.generated_ids
+    np.testing.assert_allclose(one.logprobs, two.logprobs, rtol=0, atol=1e-4)
+    sliding = [i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"]
+    assert sliding and one.step_kept
+    full_layers = [i for i in range(len(model.config.layer_types)) if i not in sliding]
+    for kept in one.step_kept:  # tokens of [0, t) attended per (layer, KV head)
+        # (t - w, t] holds w - 1 earlier tokens; a full layer keeps half of all of [0, t)
+        assert (kept[sliding] <= window - 1).all() and (kept[sliding] > 0).all()
+    assert max(int(k[full_layers].max()) for k in one.step_kept) > window

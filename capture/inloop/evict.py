@@ -263,8 +263,9 @@ def check_inloop_variants(model: Any, policy: Policy | None, plans: dict[int, La
 
     One-shot and decode-time eviction honour sliding windows (the model's mask, and the window
     folded into the one-pass bias) and run soft-capped or sink layers through the model's eager
-    rule; certificates of soft-cap or sink layers, and per-step designs, fetches and peers on
-    any attention variant, are not implemented yet.
+    rule; per-step designs draw within a sliding layer's window. Certificates of soft-cap or
+    sink layers, per-step designs on soft-cap or sink layers, and fetches and peers on any
+    attention variant, are not implemented yet.
 
     Raises
     ------
@@ -280,10 +281,13 @@ def check_inloop_variants(model: Any, policy: Policy | None, plans: dict[int, La
         raise ValueError(f"in-loop certificates with attention {' and '.join(named)} are not "
                          "implemented; use an uncertified policy (or the replay)")
     sliding = rule["layer_attention"] is not None
-    if (named or sliding) and (fetch is not None
-                               or (policy is not None and policy.schedule.per_step)):
+    # Per-step designs draw within a sliding layer's window (the step's trace carries it, and
+    # the inclusion tables treat (t - w, t] as the population); soft-caps and sinks they do not
+    # model in the loop yet, nor do fetches any variant.
+    per_step = policy is not None and policy.schedule.per_step
+    if (fetch is not None and (named or sliding)) or (per_step and named):
         what = "fetches" if fetch is not None else "per-step designs"
-        variants = " and ".join(named + ["sliding windows"] * sliding)
+        variants = " and ".join(named + ["sliding windows"] * (sliding and fetch is not None))
         raise ValueError(f"in-loop {what} on a model with {variants} are not implemented; use "
                          "the replay")
 
