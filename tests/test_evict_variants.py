@@ -117,6 +117,10 @@ def test_per_step_designs_draw_within_a_sliding_window():
     two = decode_policy(model, pre, {}, N_NEW, set(), policy=half, seed=1, one_pass=False)
     assert one.generated_ids == two.generated_ids
     np.testing.assert_allclose(one.logprobs, two.logprobs, rtol=0, atol=1e-4)
+    assert one.certificates and len(one.certificates) == len(two.certificates)
+    for a, b in zip(one.certificates, two.certificates, strict=True):
+        for layer in a:
+            np.testing.assert_allclose(a[layer][0], b[layer][0], rtol=1e-3, atol=1e-6)
     sliding = [i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"]
     assert sliding and one.step_kept
     full_layers = [i for i in range(len(model.config.layer_types)) if i not in sliding]
