@@ -27,6 +27,20 @@ def _prefill(model, prompt):
                             scaling=attention_modules(model)[0].scaling)
 
 
+def _assert_reproduces_the_model(model, prompt, res) -> None:
+    """``res`` decodes the model's own greedy tokens with its log-probabilities (1e-4)."""
+    set_attention(model, "eager")  # the model's own rule, its own cache
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
+                             pad_token_id=0, eos_token_id=None, min_new_tokens=N_NEW,
+                             output_logits=True, return_dict_in_generate=True)
+    ids = out.sequences[0, PROMPT_LEN:].tolist()
+    assert res.generated_ids == ids
+    logprobs = [float(torch.log_softmax(lg[0].double(), -1)[t])
+                for lg, t in zip(out.logits, ids, strict=True)]
+    np.testing.assert_allclose(res.logprobs, logprobs, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize(("arch", "score", "design"), [
     ("gemma3", "h2o", "poisson"),  # sliding + full, MQA; certified: the one-pass path
     ("gpt_oss", "snapkv", "topk"),  # sliding + full, sinks; uncertified: the eager path
@@ -39,16 +53,7 @@ def test_full_budget_reproduces_the_models_logits(arch, score, design):
     policy = make_policy(score, design, 1.0, score_params={"window": 4})
     res = decode_policy(model, pre, layer_plans(pre.traces, policy, seed=0), N_NEW, set(),
                         policy=policy, seed=0)
-    set_attention(model, "eager")  # the model's own rule, its own cache
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
-                             pad_token_id=0, eos_token_id=None, min_new_tokens=N_NEW,
-                             output_logits=True, return_dict_in_generate=True)
-    ids = out.sequences[0, PROMPT_LEN:].tolist()
-    assert res.generated_ids == ids
-    logprobs = [float(torch.log_softmax(lg[0].double(), -1)[t])
-                for lg, t in zip(out.logits, ids, strict=True)]
-    np.testing.assert_allclose(res.logprobs, logprobs, rtol=0, atol=1e-4)
+    _assert_reproduces_the_model(model, prompt, res)
 
 
 def test_one_pass_folds_the_window_like_the_models_mask():
@@ -98,16 +103,7 @@ def test_per_step_designs_draw_within_a_sliding_window():
     full = make_policy("perstep", "poisson", 1.0, schedule="step",
                        score_params={"window": 4, "proxy": "exact"})
     res = decode_policy(model, pre, {}, N_NEW, set(), policy=full, seed=0)
-    set_attention(model, "eager")
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
-                             pad_token_id=0, eos_token_id=None, min_new_tokens=N_NEW,
-                             output_logits=True, return_dict_in_generate=True)
-    ids = out.sequences[0, PROMPT_LEN:].tolist()
-    assert res.generated_ids == ids
-    logprobs = [float(torch.log_softmax(lg[0].double(), -1)[t])
-                for lg, t in zip(out.logits, ids, strict=True)]
-    np.testing.assert_allclose(res.logprobs, logprobs, rtol=0, atol=1e-4)
+    _assert_reproduces_the_model(model, prompt, res)
 
     model = tiny_model("gemma3", seed=3)
     pre = _prefill(model, prompt)

@@ -46,21 +46,14 @@ def confkv_from_cli(names: str | None, params_json: str = "{}") -> list[ConfKV] 
         Naming the option and the field (exit status 2).
     """
     from tracesim.capture.inloop.confkv import MODES
+    from tracesim.capture.inloop.peers import named_params
 
     from tracesim.errors import UsageError
-    from tracesim.safeio import loads_json
 
-    if names is None:
-        if params_json != "{}":
-            raise UsageError("--confkv-params: only applies with --confkv NAMES")
+    parsed = named_params(names, params_json, "--confkv", "{name: {field: value}}")
+    if parsed is None:
         return None
-    try:
-        params = loads_json(params_json, "--confkv-params")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
-        raise UsageError("--confkv-params: expected a JSON mapping {name: {field: value}}")
+    wanted, params = parsed
     bad = [n for n in wanted if n not in MODES] + sorted(set(params) - set(wanted))
     if not wanted or bad:
         raise UsageError(f"--confkv {names!r} / --confkv-params: {bad[0] if bad else 'nothing'}"

@@ -31,8 +31,36 @@ from tracesim.capture.attention import CaptureState
 
 from tracesim.peers import Peer, StepInput
 
-__all__ = ["PeerConfig", "PeerState", "decode_peer", "peer_step_columns", "peers_from_cli",
-           "summary_bits"]
+__all__ = ["PeerConfig", "PeerState", "decode_peer", "named_params", "peer_step_columns",
+           "peers_from_cli", "summary_bits"]
+
+
+def named_params(names: str | None, params_json: str, option: str,
+                 mapping: str) -> tuple[list[str], dict] | None:
+    """The names of ``--OPTION NAMES`` and the JSON of ``--OPTION-params``: ``(names,
+    {name: fields})``, or None when neither is given. ``mapping`` describes the expected JSON
+    in the error message (e.g. ``{peer: {parameter: value}}``).
+
+    Raises
+    ------
+    tracesim.errors.UsageError
+        Parameters without names, JSON that is not that mapping (exit status 2).
+    """
+    from tracesim.errors import UsageError
+    from tracesim.safeio import loads_json
+
+    if names is None:
+        if params_json != "{}":
+            raise UsageError(f"{option}-params: only applies with {option} NAMES")
+        return None
+    try:
+        params = loads_json(params_json, f"{option}-params")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
+        raise UsageError(f"{option}-params: expected a JSON mapping {mapping}")
+    return wanted, params
 
 
 def peers_from_cli(names: str | None, params_json: str = "{}") -> list[Peer] | None:
@@ -45,19 +73,11 @@ def peers_from_cli(names: str | None, params_json: str = "{}") -> list[Peer] | N
     """
     from tracesim.errors import UsageError
     from tracesim.peers import make_peer
-    from tracesim.safeio import loads_json
 
-    if names is None:
-        if params_json != "{}":
-            raise UsageError("--peer-params: only applies with --peer NAMES")
+    parsed = named_params(names, params_json, "--peer", "{peer: {parameter: value}}")
+    if parsed is None:
         return None
-    try:
-        params = loads_json(params_json, "--peer-params")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
-        raise UsageError("--peer-params: expected a JSON mapping {peer: {parameter: value}}")
+    wanted, params = parsed
     if not wanted or set(params) - set(wanted):
         raise UsageError(f"--peer {names!r} / --peer-params: expected peer names from "
                          "magicpig, vattention, quest, and parameters only for those")
