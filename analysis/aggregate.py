@@ -274,7 +274,7 @@ def open_results(directory: str | Path, *, trust_unsigned: bool = False,
     """The verified results of a sweep or replay output directory, unread.
 
     A results dataset (``manifest.json`` + parts) is verified part by part
-    (:func:`tracesim.sweep.dataset.verify_dataset`: memory is one part's key columns); the
+    (:func:`tracesim.dataset_read.verify_dataset`: memory is one part's key columns); the
     single file of replay and earlier sweeps is verified as :func:`results_io.read_verified`
     does (which reads that file whole once: convert large ones to a dataset). Refusals are
     ``UsageError`` naming the file and the field, as :func:`results_io.load_results`.
@@ -282,7 +282,8 @@ def open_results(directory: str | Path, *, trust_unsigned: bool = False,
     import pyarrow.parquet as pq
     from tracesim.analysis.results_io import RESULT_FILES, _configs_path, _read_json, read_verified
 
-    from tracesim.sweep.dataset import MANIFEST_FILE, verify_dataset
+    from tracesim.dataset import MANIFEST_FILE
+    from tracesim.dataset_read import verify_dataset
 
     d = Path(directory)
     mem, thr = _settings()

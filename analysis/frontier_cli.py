@@ -96,7 +96,7 @@ def _load_frontier_dataset(manifest: Path) -> pd.DataFrame:
     """The frontier's columns of a sweep's results dataset, verified part by part."""
     from tracesim.analysis.results_io import read_verified
 
-    from tracesim.sweep.dataset import dataset_columns
+    from tracesim.dataset_read import dataset_columns
 
     names = dataset_columns(manifest.parent)
     missing = [c for c in REQUIRED_COLUMNS if c not in names]

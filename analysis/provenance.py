@@ -126,7 +126,7 @@ def collect_provenance(results: Any, summary_r: dict[str, Any] | None,
                        prereg_sha256: str, prereg_name: str, prereg_matches: bool,
                        traces_dir: str | Path | None = None) -> Provenance:
     """Build the provenance header from whatever inputs the report was given."""
-    from tracesim import __version__
+    from tracesim.version import __version__
 
     facts = _result_facts(results)
     res = facts.pop("per_sequence")

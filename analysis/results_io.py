@@ -102,8 +102,8 @@ def read_verified(path: Path, *, trust_unsigned: bool = False, notes: list[str] 
     """The verified rows (a ``pyarrow.Table``) and summary of one results file or a results
     dataset's ``manifest.json``; ``columns`` limits what is read (after the checks), to those
     the table has if ``present_only``."""
+    from tracesim.dataset_read import MANIFEST_FILE, read_dataset, verify_dataset
     from tracesim.integrity import verify_results
-    from tracesim.sweep.dataset import MANIFEST_FILE, read_dataset, verify_dataset
 
     summary_path = path.parent / "summary.json"
     summary = _read_json(summary_path)
@@ -193,7 +193,7 @@ def load_peers(directories: list[str | Path] | tuple[str | Path, ...]) -> pd.Dat
     for directory in directories:
         d = Path(directory)
         if (d / "results" / "manifest.json").is_file():  # the results dataset of tracesim peers
-            from tracesim.dataset import read_results
+            from tracesim.dataset_read import read_results
 
             frames.append(read_results(d, PEER_CLAIM_COLUMNS, required={
                 "sequence_id": "string", "peer_bound_ok": "floating",

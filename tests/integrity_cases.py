@@ -120,7 +120,7 @@ def _as_earlier_version(out: Path) -> None:
     """Rewrite a replay output as the single files earlier versions wrote (``replay.parquet``,
     ``configs.json``, ``summary.json`` with its record): the family-7 edits target that
     layout, which every reader still reads (the dataset's own edits: test_results_dataset)."""
-    from tracesim.dataset import read_results
+    from tracesim.dataset_read import read_results
     from tracesim.integrity import RECORD_FIELDS, sign_results
 
     res = out / "results"

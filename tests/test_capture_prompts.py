@@ -11,7 +11,7 @@ from tracesim.capture.cli import parse_indices
 from tracesim.capture.prompts import PromptError, grade_answer, load_prompts, render_prompt
 
 from tracesim.app.cli import main
-from tracesim.dataset import read_results
+from tracesim.dataset_read import read_results
 from tracesim.store import open_store, validate_store
 
 FIVE = [

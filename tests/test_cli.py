@@ -60,3 +60,15 @@ def test_public_names_resolve_lazily():
     with pytest.raises(AttributeError):
         tracesim.no_such_name  # noqa: B018
     assert main([]) == 2
+
+
+def test_version_is_one_string():
+    """tracesim.version and pyproject.toml carry the same version (read without importing it)."""
+    import re
+    from pathlib import Path
+
+    from tracesim.version import __version__
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"$', text, re.M).group(1) == __version__
+    assert tracesim.__version__ == __version__

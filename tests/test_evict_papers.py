@@ -33,7 +33,8 @@ def test_papers_policies_run_in_the_loop_with_the_simulators_kept_sets(
 
 
 def test_tangram_runs_in_the_loop_with_a_calibrated_profile(tiny_store, tmp_path):
-    from tracesim.policies.tangram import calibrate_tangram, save_tangram_profile
+    from tracesim.policies.tangram import save_tangram_profile
+    from tracesim.replay.calibrate import calibrate_tangram
 
     store, loaded, seq, meta, P, pre = prefilled(tiny_store)
     ratios = calibrate_tangram(store, "h2o", 0.4, window=8)

@@ -30,7 +30,7 @@ import yaml
 from tests.fault_mutations import BASE_SPEC, spec_mutations, store_mutations
 from tests.replay_fixtures import build_store
 from tracesim.app.cli import main as cli_main
-from tracesim.dataset import read_results
+from tracesim.dataset_read import read_results
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--layers", "0", "--seeds", "2", "--window", "8", "--score", "snapkv",

@@ -26,7 +26,7 @@ def results_file(tmp_path_factory):
 
 
 def test_no_nan_or_sentinels_and_every_column_described(results_file):
-    from tracesim.dataset import read_results
+    from tracesim.dataset_read import read_results
 
     table = read_results(results_file)
     for field in table.schema:
@@ -48,7 +48,7 @@ def test_no_nan_or_sentinels_and_every_column_described(results_file):
 def test_duckdb_and_polars_aggregates_equal_pandas(results_file):
     duckdb = pytest.importorskip("duckdb")
     pl = pytest.importorskip("polars")
-    from tracesim.dataset import read_results
+    from tracesim.dataset_read import read_results
 
     df = read_results(results_file).to_pandas()
     cols = ["wald_cov", "cert2", "err2", "rel_err", "sat_cov", "seed"]

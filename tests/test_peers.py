@@ -272,7 +272,7 @@ def test_replay_peers_rows_and_reproducibility(tmp_path):
 
 def test_peers_cli_writes_results_and_refuses_bad_input(tmp_path, capsys):
     from tracesim.app.cli import main
-    from tracesim.dataset import read_results
+    from tracesim.dataset_read import read_results
 
     store = build_store(tmp_path / "s", n_seqs=1, n_layers=2)
     out = tmp_path / "out"

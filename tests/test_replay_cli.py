@@ -10,7 +10,7 @@ import pytest
 from tests.replay_fixtures import build_store, synthetic_trace
 from tracesim.adversary import impossibility_demo
 from tracesim.app.cli import main as cli_main
-from tracesim.dataset import read_results
+from tracesim.dataset_read import read_results
 from tracesim.policies import make_policy, policy_grid
 from tracesim.replay import METRICS, RESULT_COLUMNS, replay
 from tracesim.store import open_store

@@ -16,7 +16,8 @@ import pytest
 
 from tests.replay_fixtures import build_store
 from tracesim.app.cli import main as cli_main
-from tracesim.dataset import BUILD_DIR, read_results
+from tracesim.dataset import BUILD_DIR
+from tracesim.dataset_read import read_results
 from tracesim.digests import sha256_file
 from tracesim.errors import UsageError
 

@@ -79,7 +79,7 @@ def test_replay_runs_on_a_synthetic_store(small, tmp_path):
     assert cli_main(["replay", str(path), "--score", "h2o", "--design", "topk,poisson",
                      "--budget", "0.3", "--seeds", "2", "--layers", "0", "--no-progress",
                      "--out", str(out)]) == 0
-    from tracesim.dataset import read_results
+    from tracesim.dataset_read import read_results
 
     table = read_results(out).to_pandas()
     assert len(table) > 0 and np.isfinite(table.err2).all()

@@ -237,8 +237,9 @@ def test_tangram_score_replays_the_calibrated_static_budgets(tmp_path):
     """calibrate_tangram over a store (Ada-KV's allocations -> ratios), then replay: every
     sequence gets the same per-head budgets, ratios x T by largest remainder."""
     from tests.replay_fixtures import build_store
-    from tracesim.policies.tangram import calibrate_tangram, save_tangram_profile
+    from tracesim.policies.tangram import save_tangram_profile
     from tracesim.replay import load_layer
+    from tracesim.replay.calibrate import calibrate_tangram
     from tracesim.store import open_store
 
     store = open_store(build_store(tmp_path / "store", n_seqs=2, n_layers=2))

@@ -18,7 +18,7 @@ into the build directory and swaps it in for ``results/`` with two renames: the 
 results stay whole until the new set is complete. Nothing here holds more than one record
 batch; hashing reads 1 MiB blocks. The sweep links its task files into a build directory and
 publishes it with the same :func:`publish`. Readers check a dataset with
-:func:`tracesim.sweep.dataset.verify_dataset`.
+:func:`tracesim.dataset_read.verify_dataset`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from tracesim.atomic import TMP_SUFFIX, atomic_output, atomic_write_bytes, fsync_dir
 
 __all__ = ["BUILD_DIR", "DATASET_FORMAT", "DATASET_VERSION", "MANIFEST_FILE", "META_KEY",
-           "PARTS_DIR", "PartWriter", "publish", "read_results", "run_id_of"]
+           "PARTS_DIR", "PartWriter", "publish", "run_id_of"]
 
 #: ``format`` field of a results manifest (with ``version``).
 DATASET_FORMAT = "tracesim-results-dataset"
@@ -233,39 +233,3 @@ def publish(out_dir: str | os.PathLike, build: Path, parts: Sequence[dict[str, A
 
 
 #: Single results files of earlier versions, read where a directory has no results dataset.
-LEGACY_RESULT_FILES = ("results/results.parquet", "results.parquet", "replay.parquet",
-                       "peers.parquet")
-
-
-def read_results(directory: str | os.PathLike, columns: Sequence[str] | None = None, *,
-                 required: dict[str, str] | None = None) -> pa.Table:
-    """The rows of the results in ``directory`` (a sweep, replay or peers output) as one table:
-    its dataset ``results/`` verified part by part against its signed summary
-    (:func:`tracesim.sweep.dataset.verify_dataset`), or the single file of an earlier version
-    as it is. For small results (tests, notebooks): it holds every row asked for; large ones
-    are read with a streaming engine (``docs/sweeps.md``).
-
-    Raises
-    ------
-    tracesim.errors.UsageError
-        No results there, or a part refused (the message names the part and the field).
-    """
-    from tracesim.errors import UsageError
-    from tracesim.safeio import read_json
-    from tracesim.sweep.dataset import read_dataset, verify_dataset
-
-    d = Path(directory)
-    res = d / "results"
-    if (res / MANIFEST_FILE).is_file():
-        summary_path = res / "summary.json"
-        summary = read_json(summary_path, "results summary") if summary_path.is_file() else None
-        configs = res / "configs.json" if (res / "configs.json").is_file() else d / "configs.json"
-        parts, _ = verify_dataset(res, summary if isinstance(summary, dict) else None,
-                                  summary_path, configs=configs if configs.is_file() else None,
-                                  required={} if required is None else required)
-        return read_dataset(parts, columns)
-    for name in LEGACY_RESULT_FILES:
-        if (d / name).is_file():
-            return pq.read_table(d / name, columns=list(columns) if columns else None)
-    raise UsageError(f"{d}: no results found, expected {res / MANIFEST_FILE} or one of "
-                     f"{list(LEGACY_RESULT_FILES)}")

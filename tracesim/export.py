@@ -93,9 +93,9 @@ def _source(source: Path, batch_rows: int) -> tuple[pa.Schema, Iterator[pa.Recor
     if source.name != "manifest.json":
         pf = _open(source)
         return pf.schema_arrow, pf.iter_batches(batch_size=batch_rows)
+    from tracesim.dataset_read import verify_dataset
     from tracesim.errors import UsageError
     from tracesim.safeio import read_json
-    from tracesim.sweep.dataset import verify_dataset
 
     summary_path = source.parent / "summary.json"
     try:

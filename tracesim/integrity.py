@@ -5,7 +5,7 @@ name, row count, ``sha256`` and the set of configuration ids (:func:`results_rec
 ``replay`` and ``sweep`` in earlier versions, whose single files still read. ``replay``,
 ``sweep`` and ``peers`` now write a results dataset whose ``results/summary.json`` records the
 same fields for its ``manifest.json`` (:mod:`tracesim.dataset`; checked part by part by
-:func:`tracesim.sweep.dataset.verify_dataset`). The summary is committed after the results
+:func:`tracesim.dataset_read.verify_dataset`). The summary is committed after the results
 (one unit, :func:`tracesim.atomic.atomic_files`), so a run killed between the two renames leaves a
 mismatch, not a silent mix. :func:`verify_results` is what the report and the frontier run
 before trusting a table: it refuses a hash or row-count mismatch, duplicate result keys, rows

@@ -67,7 +67,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _version() -> str:
-    from tracesim import __version__
+    from tracesim.version import __version__
 
     return __version__
 

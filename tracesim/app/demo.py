@@ -199,11 +199,11 @@ def run_demo(out: str | Path = "demo", scale: str = "small", *, workers: int | N
 def run_demo_peers(store: Any, scale: DemoScale, out: Path) -> Path:
     """Replay :data:`DEMO_PEERS` on the sweep's layers (``OUT/peers``, skipped when it holds
     these peers already) and print one line per peer."""
-    from tracesim import __version__
-    from tracesim.dataset import read_results
+    from tracesim.dataset_read import read_results
     from tracesim.peers import make_peer
     from tracesim.peers.run import write_peers_dataset
     from tracesim.safeio import read_json
+    from tracesim.version import __version__
 
     peers = [make_peer(name, **params) for name, params in DEMO_PEERS]
     layers = list(range(0, store.model.n_layers, scale.layer_step))

@@ -96,10 +96,10 @@ def run_peers(args: argparse.Namespace) -> int:
     except (ValueError, StoreError, UsageError) as exc:
         print(f"tracesim peers: {exc}", file=sys.stderr)
         return 2
-    from tracesim import __version__
     from tracesim.atomic import DirLock, remove_stale_tmp
     from tracesim.digests import prereg_record
     from tracesim.peers.run import write_peers_dataset
+    from tracesim.version import __version__
 
     out.mkdir(parents=True, exist_ok=True)
     try:

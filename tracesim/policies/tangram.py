@@ -4,8 +4,9 @@ Source: Kim, Kim, Kim, Choi, "Tangram: Unlocking Non-Uniform KV Cache Compressio
 Efficient Multi-turn LLM Serving", arXiv 2606.06302 (2026; abstract and introduction read).
 Head-wise retention has an input-invariant head ranking with narrowly bounded per-head ratios,
 calibrated offline (about 50 samples); each head's post-compression budget is then fixed before
-the input is seen. Ada-KV, by contrast, re-allocates on every input. :func:`calibrate_tangram`
-derives the ratios from Ada-KV's allocations on calibration sequences
+the input is seen. Ada-KV, by contrast, re-allocates on every input.
+:func:`tracesim.replay.calibrate.calibrate_tangram` derives the ratios from Ada-KV's
+allocations on calibration sequences
 (:func:`tracesim.budgets.tangram_ratios`); :class:`TangramScore` replays with them.
 """
 
@@ -19,12 +20,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from tracesim.budgets import adakv_allocation, tangram_allocation, tangram_ratios
+from tracesim.budgets import tangram_allocation
 from tracesim.layer_trace import LayerTrace
 from tracesim.policies.base import Score
 from tracesim.policies.composed import base_score
 
-__all__ = ["TangramScore", "calibrate_tangram", "load_tangram_profile", "save_tangram_profile"]
+__all__ = ["TangramScore", "load_tangram_profile", "save_tangram_profile"]
 
 MAX_PROFILE_BYTES = 64 << 20
 
@@ -61,40 +62,6 @@ def save_tangram_profile(path: str | Path, ratios: np.ndarray) -> None:
     np.savez(Path(path), ratios=np.asarray(ratios, dtype=np.float64))
 
 
-def calibrate_tangram(store: Any, base: str, budget: float, *, sinks: int = 4,
-                      window: int = 32, alpha: float = 0.0,
-                      sequences: list[str] | None = None) -> np.ndarray:
-    """Per-(layer, KV head) ratios from Ada-KV's allocations on calibration sequences.
-
-    For every calibration sequence and layer: the ``base`` score at the end of the compressed
-    range, Ada-KV's per-head tail budgets (floor ``alpha``; the default 0 is one threshold over
-    the layer's normalised scores, as Tangram's per-layer profiling scope) for the tail budget
-    that ``budget`` (a fraction, as :class:`~tracesim.budgets.Budget`) leaves after sinks and
-    window; then :func:`~tracesim.budgets.tangram_ratios` per layer over the sequences
-    (median). Returns ``(n_layers, n_kv_heads)``.
-    """
-    from tracesim.budgets import Budget
-    from tracesim.replay import load_layer
-
-    score = base_score("calibrate_tangram", base, int(sinks), int(window))
-    b = Budget(float(budget))
-    ids = list(store.sequence_ids) if sequences is None else list(sequences)
-    per_layer: list[list[np.ndarray]] = [[] for _ in range(store.model.n_layers)]
-    for sid in ids:
-        seq = store[sid]
-        for layer in range(store.model.n_layers):
-            trace = load_layer(store, seq, layer)
-            end = score.compress_end(trace)
-            tails = []
-            for g in range(trace.n_kv_heads):
-                take = score.take_all(trace, g, end)
-                tails.append(score.scores(trace, g, end)[~take])
-            take_n = int(score.take_all(trace, 0, end).sum())
-            tb = max(0, score.kept_tokens(b, end) - take_n)
-            per_layer[layer].append(adakv_allocation(tails, tb, float(alpha)))
-    return np.stack([tangram_ratios(np.stack(rows)) for rows in per_layer])
-
-
 @dataclass(frozen=True)
 class TangramScore(Score):
     """The base score's ranking with Tangram's fixed per-head budgets from a profile.
@@ -108,7 +75,8 @@ class TangramScore(Score):
     base : str, default "h2o"
         Registry name of the score that ranks (or samples) each head's tail.
     profile : str, default ""
-        A profile ``.npz`` (:func:`save_tangram_profile`, from :func:`calibrate_tangram`);
+        A profile ``.npz`` (:func:`save_tangram_profile`, from
+        :func:`tracesim.replay.calibrate.calibrate_tangram`);
         empty: equal ratios, i.e. uniform budgets (Tangram before calibration).
     """
 

@@ -331,10 +331,10 @@ def run_replay(args: argparse.Namespace) -> int:
 def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -> int:
     from dataclasses import asdict
 
-    from tracesim import __version__
     from tracesim.digests import prereg_record
     from tracesim.replay import ReplayOptions
     from tracesim.replay.results import store_identity, write_replay_dataset
+    from tracesim.version import __version__
 
     options = ReplayOptions(output_space=not args.no_output_space,
                             satterthwaite=args.satterthwaite, precision=args.precision,
@@ -376,7 +376,7 @@ def _replay_locked(args: argparse.Namespace, out: Path, policies: list, store) -
               "command were kept", file=sys.stderr)
     import pyarrow.parquet as pq
 
-    from tracesim.sweep.dataset import dataset_parts
+    from tracesim.dataset_read import dataset_parts
 
     results = out / "results"
     sequences: set[str] = set()

@@ -159,7 +159,7 @@ def run_sweep(spec_or_path: SweepSpec | Mapping | str | os.PathLike, *,
     -------
     SweepSummary
     """
-    from tracesim import __version__
+    from tracesim.version import __version__
 
     t0 = time.perf_counter()
     if scheduler is not None:

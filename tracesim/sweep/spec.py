@@ -144,7 +144,7 @@ class SweepSpec:
         tracesim's version and source (``code``, default :func:`code_fingerprint` now),
         configurations, seeds, record mode, replay options and the provenance of plugin
         scores / designs (:func:`tracesim.plugins.plugin_provenance`)."""
-        from tracesim import __version__
+        from tracesim.version import __version__
 
         code = code_fingerprint() if code is None else code
         doc = {"format": SWEEP_FORMAT, "version": __version__, "code": code,
