@@ -21,7 +21,8 @@
 #                   (baseline first); each benchmark imports the tracesim of its own tree
 #   --python PY     interpreter (default: .venv/bin/python of this tree, else python3)
 # Threads: NUMBA_NUM_THREADS and OMP_NUM_THREADS default to the machine's core count.
-# Full run: about 5 minutes on 2 cores without --baseline, about 10 with it.
+# Full run: estimated 5 minutes on 2 cores (10 with --baseline) from earlier per-row timings,
+# not yet timed whole; --quick took 1 min 16 s under load.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,7 +34,7 @@ while [[ $# -gt 0 ]]; do
         --quick) QUICK=1; shift ;;
         --baseline) BASELINE="$(cd "${2:?--baseline needs a directory}" && pwd)"; shift 2 ;;
         --python) PY="${2:?--python needs an interpreter}"; shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
         *) echo "quiet_31.sh: unknown argument '$1' (expected --quick, --baseline DIR or" \
                 "--python PY)" >&2; exit 2 ;;
     esac
