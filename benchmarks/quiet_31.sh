@@ -22,7 +22,7 @@
 #   --python PY     interpreter (default: .venv/bin/python of this tree, else python3)
 # Threads: NUMBA_NUM_THREADS and OMP_NUM_THREADS default to the machine's core count.
 # Full run: estimated 5 minutes on 2 cores (10 with --baseline) from earlier per-row timings,
-# not yet timed whole; --quick took 1 min 16 s under load.
+# not yet timed whole; --quick took 3.5 min at load 7-9 (10 min with --baseline at load 6-9).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,7 +55,8 @@ if [[ $QUICK -eq 1 ]]; then
     PERSTEP=(--positions 512 --decode 8 --seeds 4 --rounds 2)
     LONG=(--positions 2048 --decode 4 --seeds 2); LONG_ROUNDS=2
     STORE=(--synth 256 --decode 4 --seeds 4 --rounds 2)
-    REPLAY=(--positions 256 --torch-positions 256 --seeds 4 --rounds 2)
+    # no torch here: under load its 54-policy baseline alone took 10-60 s a round at P = 256
+    REPLAY=(--positions 256 --torch-positions "" --seeds 4 --rounds 2)
 else
     PERSTEP=(--positions 4096 --decode 64 --seeds 32 --rounds 5)
     # the smallest long layer that shows the ratio: 16 per-step decode steps, 8 seeds
