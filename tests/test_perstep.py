@@ -77,6 +77,27 @@ def test_quant_logits_read_the_residual_in_full_precision_in_any_step_order(trac
         np.testing.assert_array_equal(proxy.logits(trace, 0, q, end), (q @ K.T) * trace.scale)
 
 
+def test_quant_step_logits_computed_ahead_equal_each_steps_own_product(trace, monkeypatch):
+    """The steps sharing a ``full`` read their logits from one product over their queries; in
+    any step order (and with the look-ahead cut to 3 queries) each equals the step's own
+    product to rounding (another summation order: 1e-12 relative, not bit for bit)."""
+    import tracesim.proxies.quant as quant
+
+    proxy = QuantProxy(bits=4, group=8)
+    heads = [0, 1]
+    steps = [(int(p), i) for i, p in enumerate(trace.query_positions)
+             if trace.query_roles[i] == "decode"]
+    assert len(steps) >= 4
+    for limit in (quant.STEP_LOGIT_BYTES, 3 * 8 * len(heads) * trace.n_positions):
+        monkeypatch.setattr(quant, "STEP_LOGIT_BYTES", limit)
+        trace._attention_cache.clear()
+        for end, qi in steps[::-1] + steps + steps[1::2]:
+            got = proxy.step_logits(trace, 0, heads, qi, end)
+            want = proxy.logits(trace, 0, trace.queries[heads, qi], end)
+            assert got.shape == want.shape == (2, end)
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
 def test_page_bounds_bound_every_logit_of_their_page(trace):
     q = trace.queries[:, -1]
     for page in (1, 3, 4, 16):

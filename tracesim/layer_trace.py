@@ -205,32 +205,25 @@ class LayerTrace:
         return self._attention_rows(head, [int(index)])[0]
 
     def _attention_rows(self, head: int, indices) -> list[np.ndarray]:
-        """:meth:`attention` of several queries of one head; the missing rows in one GEMM."""
+        """:meth:`attention` of several queries of one head; the missing rows in one kernel call."""
         idx = [int(i) for i in indices]
         missing = sorted({i for i in idx if (head, i) not in self._attention_cache})
         if missing:
-            g = head // self.group_size
-            pos = self.query_positions[missing].astype(np.int64)
-            end = int(pos.max()) + 1
-            if self.is_plain:
-                s = (self.keys[g, :end] @ self.queries[head, missing].T) * self.scale  # (end, n)
-            else:
-                s = self.logits(self.keys[g, :end] @ self.queries[head, missing].T)
-            s[np.arange(end)[:, None] > pos[None, :]] = -np.inf
-            if self.window is not None:
-                s[np.arange(end)[:, None] <= pos[None, :] - self.window] = -np.inf
-            top = s.max(axis=0)
-            if self.sinks is not None:
-                top = np.maximum(top, self.sinks[head])
-            w = np.exp(s - top)
-            if self.sinks is None:
-                w /= w.sum(axis=0)
-            else:
-                w /= w.sum(axis=0) + np.exp(self.sinks[head] - top)
+            # compiled: one pass per row, no full-size temporaries (imported here so that
+            # reading a trace does not load numba)
+            from tracesim.kernels.attention import LogitRule
+            from tracesim.kernels.attention_rows import softmax_rows
+
+            rows = np.zeros((len(missing), self.n_positions))
+            rule = LogitRule(float(self.scale), float(self.softcap or 0.0),
+                             int(self.window or 0))
+            sink = -np.inf if self.sinks is None else float(self.sinks[head])
+            keys = np.ascontiguousarray(self.keys[head // self.group_size], dtype=np.float64)
+            queries = np.ascontiguousarray(self.queries[head, missing], dtype=np.float64)
+            softmax_rows(keys, queries, self.query_positions[missing].astype(np.int64), rule,
+                         sink, rows)
             for j, i in enumerate(missing):
-                row = np.zeros(self.n_positions)
-                row[:end] = w[:, j]
-                self._attention_cache[(head, i)] = row
+                self._attention_cache[(head, i)] = rows[j]
         return [self._attention_cache[(head, i)] for i in idx]
 
     def group_attention(self, kv_head: int, indices: np.ndarray) -> np.ndarray:

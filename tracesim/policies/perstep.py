@@ -130,22 +130,37 @@ class PerStepScore(Score):
                              f"the layer's per-query-head view (LayerTrace.per_query_head(), "
                              f"as the replay engine does), not a layer of "
                              f"{trace.group_size} query heads per KV head")
-        w = self._step_attention(trace, kv_head, list(trace.group(kv_head)), end)
+        heads = list(trace.group(kv_head))
+        if trace.is_plain and not self.linearised:
+            # the common case, compiled: softmax rows and their reduction in one call
+            from tracesim.kernels.step_scores import group_softmax
+
+            x = np.empty(end + 1)
+            group_softmax(self._step_logits(trace, kv_head, heads, end), self.gqa == "max", x)
+            return x[:end]
+        w = self._step_attention(trace, kv_head, heads, end)
         x = w.max(axis=0) if self.gqa == "max" else w.mean(axis=0)
         return x[:end]
+
+    def _step_logits(self, trace: LayerTrace, kv_head: int, heads: list[int],
+                     end: int) -> np.ndarray:
+        """Proxy logits of ``heads`` at the step ``end`` over positions ``[0, end]`` (the
+        current token last, exact), shape (len(heads), end + 1)."""
+        proxy = _parsed_proxy(self.proxy)
+        proxy.check_trace(trace)
+        qi = self.step_query(trace, end)
+        q = trace.queries[heads, qi]  # (n, d)
+        s = np.empty((len(heads), end + 1))
+        s[:, :end] = proxy.step_logits(trace, kv_head, heads, qi, end)
+        s[:, end] = (q @ trace.keys[kv_head, end]) * trace.scale  # the current token: exact
+        return s
 
     def _step_attention(self, trace: LayerTrace, kv_head: int, heads: list[int],
                         end: int) -> np.ndarray:
         """Proxy softmax of ``heads`` (query heads of ``kv_head``) at the step ``end``, times
         ``|v_i - o~_h|`` when ``linearised``; positions ``[0, end]`` (the current token last),
         shape (len(heads), end + 1)."""
-        proxy = _parsed_proxy(self.proxy)
-        proxy.check_trace(trace)
-        qi = self.step_query(trace, end)
-        q = trace.queries[heads, qi]  # (n, d)
-        s = np.empty((len(heads), end + 1))
-        s[:, :end] = proxy.logits(trace, kv_head, q, end)
-        s[:, end] = (q @ trace.keys[kv_head, end]) * trace.scale  # the current token: exact
+        s = self._step_logits(trace, kv_head, heads, end)
         if trace.is_plain:
             w = np.exp(s - s.max(axis=1, keepdims=True))
             w /= w.sum(axis=1, keepdims=True)

@@ -86,6 +86,13 @@ class Proxy:
         """
         raise NotImplementedError
 
+    def step_logits(self, trace: LayerTrace, kv_head: int, heads: list[int], query_index: int,
+                    end: int) -> np.ndarray:
+        """:meth:`logits` of the stored query ``query_index`` of ``heads`` at the step ``end``,
+        shape ``(len(heads), end)``. A proxy whose keys stay the same over several steps may
+        compute the coming steps' logits in one product (:class:`QuantProxy` does)."""
+        return self.logits(trace, kv_head, trace.queries[heads, query_index], end)
+
     def extend(self, previous, trace: LayerTrace, kv_head: int):
         """Subclass hook: this KV head's summary of ``trace`` from ``previous``, the summary of
         the same layer at an earlier decode step, or None to rebuild it (the default).

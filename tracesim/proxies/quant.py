@@ -15,6 +15,8 @@ if TYPE_CHECKING:  # the policies import the proxies, not the other way round
 __all__ = ["QuantProxy", "quantise_keys"]
 
 BITS = (1, 2, 4, 8)
+#: Most bytes of proxy logits :meth:`QuantProxy.step_logits` computes ahead for one KV head.
+STEP_LOGIT_BYTES = 8 << 20
 
 
 def quantise_keys(keys: np.ndarray, bits: int, group: int) -> np.ndarray:
@@ -82,6 +84,33 @@ class QuantProxy(Proxy):
         # its residual tokens (with window >= group these are all in the take-all window).
         full = (end // self.group) * self.group
         return (queries @ self._step_keys(trace, kv_head, Kq, full)[:end].T) * trace.scale
+
+    def step_logits(self, trace: LayerTrace, kv_head: int, heads: list[int], query_index: int,
+                    end: int) -> np.ndarray:
+        """The steps ``end .. full + group - 1`` read the same keys (``full`` = the complete
+        groups before ``end``), so their stored queries' logits are one product: read from the
+        keys once, not once per step (a per-step product of a few query rows with every key is
+        bound by reading the keys). At most :data:`STEP_LOGIT_BYTES` are computed ahead."""
+        full = (end // self.group) * self.group
+        key = ("proxy-step-logits", self.spec(), int(kv_head), tuple(heads))
+        cache = trace._attention_cache
+        held = cache.get(key)
+        if held is None or held[0] != full or query_index not in held[1]:
+            pos = trace.query_positions
+            ahead = np.flatnonzero((pos >= end) & (pos < full + self.group))
+            ahead = ahead[np.argsort(pos[ahead], kind="stable")]
+            n_ahead = max(1, STEP_LOGIT_BYTES // (8 * len(heads) * trace.n_positions))
+            ahead = ahead[:n_ahead]
+            if query_index not in ahead:
+                return super().step_logits(trace, kv_head, heads, query_index, end)
+            Kq = self._cached(trace, kv_head, lambda: quantise_keys(
+                trace.keys[kv_head], self.bits, self.group))
+            keys = self._step_keys(trace, kv_head, Kq, full)
+            q = trace.queries[np.ix_(heads, ahead)].reshape(-1, keys.shape[1])
+            block = ((q @ keys.T) * trace.scale).reshape(len(heads), ahead.size, -1)
+            held = (full, {int(i): j for j, i in enumerate(ahead)}, block)
+            cache[key] = held
+        return held[2][:, held[1][query_index], :end]
 
     def _step_keys(self, trace: LayerTrace, kv_head: int, Kq: np.ndarray,
                    full: int) -> np.ndarray:
