@@ -67,25 +67,39 @@ def perstep_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
     ``gqa`` says how a per-step design samples the GQA group; a configuration's top-k baseline
     is the one with its score, proxy, ``gqa`` and budget, else the group-shared (``mean``)
     one."""
-    from tracesim.proxies import make_proxy
-
     rows = []
     first = df.drop_duplicates("config_id").set_index("config_id")
     for cid, g in df.groupby("config_id", sort=False):
-        meta = first.loc[cid]
         cov, hw = _cluster_ci(g["wald_cov"], g["sequence_id"])
         cov_t, _ = _cluster_ci(g["wald_t_cov"], g["sequence_id"])
-        proxy = _proxy(meta)
-        rows.append({
-            "score": meta["score"], "proxy": proxy, "gqa": _gqa(meta), "design": meta["design"],
-            "schedule": cid.split("|")[4] if cid != "full" else "—",
-            "budget": meta["budget"], "rows": len(g),
-            "wald": cov, "wald_ci": hw, "wald_t": cov_t, "mse": float(g["err2"].mean()),
-            "kept": float(g["kept_tokens"].mean()),
-            "proxy_bits": (make_proxy(proxy).bits_per_token(head_dim) if proxy != "—"
-                           else float("nan")),
-        })
-    out = pd.DataFrame(rows)
+        rows.append(table_row(str(cid), first.loc[cid], (cov, hw, cov_t), len(g),
+                              float(g["err2"].mean()), float(g["kept_tokens"].mean()),
+                              head_dim))
+    return with_topk_ratio(pd.DataFrame(rows))
+
+
+def table_row(cid: str, meta: pd.Series, coverage: tuple[float, float, float], n_rows: int,
+              mse: float, kept: float, head_dim: int = 64) -> dict:
+    """One configuration's row of :func:`perstep_table` from its first row ``meta``, its
+    (Wald coverage, its 95 % half-width, Wald-t coverage), row count, mean err2 and mean kept
+    tokens."""
+    from tracesim.proxies import make_proxy
+
+    proxy = _proxy(meta)
+    return {
+        "score": meta["score"], "proxy": proxy, "gqa": _gqa(meta), "design": meta["design"],
+        "schedule": cid.split("|")[4] if cid != "full" else "—",
+        "budget": meta["budget"], "rows": n_rows,
+        "wald": coverage[0], "wald_ci": coverage[1], "wald_t": coverage[2], "mse": mse,
+        "kept": kept,
+        "proxy_bits": (make_proxy(proxy).bits_per_token(head_dim) if proxy != "—"
+                       else float("nan")),
+    }
+
+
+def with_topk_ratio(out: pd.DataFrame) -> pd.DataFrame:
+    """``mse_vs_topk``: each row's error over per-query top-k's with its score, proxy, ``gqa``
+    and budget (else the group-shared one)."""
     topk = out[out.design == "topk"].set_index(["score", "proxy", "gqa", "budget"])["mse"]
 
     def baseline(r) -> float:
