@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from tracesim.analysis.claims_perstep import evaluate_c9, evaluate_c10
+from tracesim.analysis.claims_perstep import evaluate_c9, evaluate_c10, perstep_read
 from tracesim.analysis.cluster import cluster_mean, student_quantile
 from tracesim.analysis.perstep_costs import cost_columns
 from tracesim.analysis.prereg import load_prereg
-from tracesim.analysis.results_io import load_peers, load_results
+from tracesim.analysis.results_io import load_peers
 
 # evaluate_c9 and evaluate_c10 live with the other claims (tracesim.analysis.claims_perstep); they
 # are
@@ -156,20 +156,23 @@ def main(argv: list[str] | None = None) -> int:
                          "length sweep (each value's own top-k baseline and costs)")
     args = ap.parse_args(argv)
     try:
-        df, _ = load_results(Path(args.results))
+        from tracesim.analysis.aggregate import open_results
+        from tracesim.analysis.perstep_stream import (
+            by_table_from,
+            conformal_columns,
+            perstep_costs_table,
+        )
+
         if args.by and args.calibration:
             raise ValueError("--by and --calibration: give one of them")
-        table = (by_table(df, args.by, args.head_dim) if args.by else
-                 cost_columns(perstep_table(df, args.head_dim), df, args.head_dim))
+        # verified and opened, never loaded whole: the table from per-configuration sums, the
+        # conformal radius from one configuration's certified rows at a time
+        ds = open_results(Path(args.results))
+        table = (by_table_from(ds, args.by, args.head_dim) if args.by else
+                 perstep_costs_table(ds, args.head_dim))
         if args.calibration:
-            cal, _ = load_results(Path(args.calibration))
-            radius = conformal_radius(cal)
-            table["kappa"] = [radius.get(c, np.nan) for c in df.drop_duplicates(
-                "config_id")["config_id"]]
-            cover = {c: float(np.mean(_ratio(g) <= radius[c])) for c, g in
-                     df[df["certified"]].groupby("config_id") if c in radius}
-            table["conf_cov"] = [cover.get(c, np.nan) for c in df.drop_duplicates(
-                "config_id")["config_id"]]
+            cal = open_results(Path(args.calibration))
+            table["kappa"], table["conf_cov"] = conformal_columns(ds, cal)
         claims = []
         if args.prereg:
             pre = load_prereg(args.prereg)
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             errors = {}
             for cid in ("C9", "C11"):
                 try:
-                    claims.append(evaluate_c9(df, pre.claims[cid], pre.claim_alpha(cid), cid))
+                    claims.append(evaluate_c9(perstep_read(ds, pre.claims[cid], cid),
+                                              pre.claims[cid], pre.claim_alpha(cid), cid))
                 except ValueError as exc:
                     errors[cid] = str(exc)
             if len(errors) == 2:

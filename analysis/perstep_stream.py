@@ -78,3 +78,62 @@ def perstep_costs_table(ds: ResultsDataset, head_dim: int = 64,
                                   head_dim))
     table = with_topk_ratio(pd.DataFrame(rows))
     return pd.concat([table.reset_index(drop=True), pd.DataFrame(costs)], axis=1)
+
+
+def config_order(ds: ResultsDataset, where: str | None = None) -> list[str]:
+    """The configuration ids in the order of their first row (pandas' ``drop_duplicates``)."""
+    cond = f" WHERE {where}" if where else ""
+    return ds.query(f"SELECT CAST(\"config_id\" AS VARCHAR) AS c FROM results{cond} QUALIFY "
+                    "row_number() OVER (PARTITION BY \"config_id\" ORDER BY __row) = 1 "
+                    "ORDER BY __row")["c"].tolist()
+
+
+def by_table_from(ds: ResultsDataset, column: str, head_dim: int = 64) -> pd.DataFrame:
+    """:func:`tracesim.analysis.perstep.by_table` from sums: one :func:`perstep_costs_table`
+    per value of ``column`` (in the order of their first row)."""
+    from tracesim.analysis.aggregate import sql_in
+
+    if column not in ds:
+        raise ValueError(f"--by {column!r}: not a result column; expected one of "
+                         f"{sorted(ds.columns)[:12]}...")
+    values = ds.query(f"SELECT {quote(column)} AS v FROM results WHERE {quote(column)} IS NOT "
+                      f"NULL QUALIFY row_number() OVER (PARTITION BY {quote(column)} ORDER BY "
+                      "__row) = 1 ORDER BY __row")["v"].tolist()
+    parts = []
+    for value in values:
+        t = perstep_costs_table(ds, head_dim, sql_in(column, [value]))
+        t.insert(0, column, value)
+        parts.append(t)
+    return pd.concat(parts, ignore_index=True)
+
+
+_CERTIFIED = "COALESCE(CAST(\"certified\" AS BOOLEAN), FALSE)"
+
+
+def _certified_ratios(ds: ResultsDataset) -> dict[str, np.ndarray]:
+    """Per certified configuration, ``sqrt(err2 / cert2)`` of its certified rows (one
+    configuration's two columns read at a time)."""
+    from tracesim.analysis.aggregate import sql_in
+    from tracesim.analysis.perstep import _ratio
+
+    out = {}
+    for cid in sorted(config_order(ds, _CERTIFIED)):
+        g = ds.read(["err2", "cert2"], f"{_CERTIFIED} AND {sql_in('config_id', [cid])}")
+        out[cid] = _ratio(g)
+    return out
+
+
+def conformal_columns(ds: ResultsDataset, cal: ResultsDataset,
+                      level: float = 0.95) -> tuple[list[float], list[float]]:
+    """``kappa`` and ``conf_cov`` per configuration of ``ds`` (in the order of their first
+    row), as :func:`tracesim.analysis.perstep.conformal_radius` fits the radius on ``cal``'s
+    certified rows and ``main`` measures its coverage on ``ds``'s."""
+    radius = {}
+    for cid, ratio in _certified_ratios(cal).items():
+        r = np.sort(np.where(np.isnan(ratio), np.inf, ratio))
+        k = int(np.ceil((r.size + 1) * level)) - 1
+        radius[cid] = float(r[min(k, r.size - 1)]) if k < r.size else float("inf")
+    cover = {c: float(np.mean(ratio <= radius[c]))
+             for c, ratio in _certified_ratios(ds).items() if c in radius}
+    order = config_order(ds)
+    return ([radius.get(c, np.nan) for c in order], [cover.get(c, np.nan) for c in order])

@@ -159,3 +159,43 @@ def test_single_file_with_per_step_designs(perstep_results, tmp_path):
     old_costs = cost_columns(perstep_table(df, 64), df, 64)
     for r in old_costs.itertuples():
         assert f"{r.hbm_kib:.5g}" in section
+
+
+def _old_perstep_stdout(results_dir: Path, *, by: str | None = None,
+                        calibration: Path | None = None) -> str:
+    """What ``python -m tracesim.analysis.perstep`` printed when it loaded the whole table."""
+    from tracesim.analysis.perstep import _ratio, by_table, conformal_radius
+    from tracesim.analysis.results_io import load_results
+
+    df, _ = load_results(results_dir)
+    table = (by_table(df, by, 64) if by else cost_columns(perstep_table(df, 64), df, 64))
+    if calibration is not None:
+        cal, _ = load_results(calibration)
+        radius = conformal_radius(cal)
+        order = df.drop_duplicates("config_id")["config_id"]
+        table["kappa"] = [radius.get(c, np.nan) for c in order]
+        cover = {c: float(np.mean(_ratio(g) <= radius[c])) for c, g in
+                 df[df["certified"]].groupby("config_id") if c in radius}
+        table["conf_cov"] = [cover.get(c, np.nan) for c in order]
+    with pd.option_context("display.width", 250, "display.max_columns", 30):
+        return table.to_string(index=False, float_format=lambda x: f"{x:.4g}") + "\n"
+
+
+@pytest.mark.parametrize("options", [{}, {"by": "head"}, {"calibration": True}],
+                         ids=["plain", "by", "calibration"])
+def test_perstep_command_prints_what_the_whole_table_gave(perstep_results, options, capsys):
+    from tracesim.analysis.perstep import main
+
+    d = perstep_results.parent
+    argv = [str(d)]
+    if "by" in options:
+        argv += ["--by", options["by"]]
+    if options.get("calibration"):
+        argv += ["--calibration", str(d)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    old = _old_perstep_stdout(d, by=options.get("by"),
+                              calibration=d if options.get("calibration") else None)
+    assert out == old
+    if options.get("calibration"):
+        assert "kappa" in out and "conf_cov" in out
