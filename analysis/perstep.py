@@ -17,7 +17,7 @@ With ``--by COLUMN`` (e.g. ``store`` for the length sweep) it prints one table p
 column, each with its own top-k baseline and costs.
 
 Usage: ``python -m tracesim.analysis.perstep RESULTS_DIR [--calibration DIR] [--peers DIR ...]
-[--prereg data/prereg.yaml] [--by COLUMN]`` (``docs/perstep.md``).
+[--prereg data/prereg.yaml] [--by COLUMN] [--scheduler ADDRESS]`` (``docs/perstep.md``).
 """
 
 from __future__ import annotations
@@ -104,8 +104,15 @@ def with_topk_ratio(out: pd.DataFrame) -> pd.DataFrame:
 
     def baseline(r) -> float:
         for gqa in (r.gqa, "mean"):
-            if (r.score, r.proxy, gqa, r.budget) in topk.index:
-                return float(topk[(r.score, r.proxy, gqa, r.budget)])
+            key = (r.score, r.proxy, gqa, r.budget)
+            if key in topk.index:
+                found = topk[key]
+                if isinstance(found, pd.Series):  # not one baseline: say so, not a traceback
+                    raise ValueError(
+                        f"{len(found)} top-k configurations share score {r.score!r}, proxy "
+                        f"{r.proxy!r}, gqa {gqa!r} and budget {r.budget:g}: expected one "
+                        "baseline each; split the table with --by COLUMN (e.g. allocator)")
+                return float(found)
         return np.nan
 
     out["mse_vs_topk"] = [r.mse / baseline(r) for r in out.itertuples()]
@@ -154,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by", default=None, metavar="COLUMN",
                     help="one table per value of this result column, e.g. 'store' for a "
                          "length sweep (each value's own top-k baseline and costs)")
+    ap.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                    help="compute the per-configuration sums with Dask on this scheduler "
+                    "(tcp://HOST:PORT, threads, processes or synchronous; default: DuckDB)")
     args = ap.parse_args(argv)
     try:
         from tracesim.analysis.aggregate import open_results
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--by and --calibration: give one of them")
         # verified and opened, never loaded whole: the table from per-configuration sums, the
         # conformal radius from one configuration's certified rows at a time
-        ds = open_results(Path(args.results))
+        ds = open_results(Path(args.results), scheduler=args.scheduler)
         table = (by_table_from(ds, args.by, args.head_dim) if args.by else
                  perstep_costs_table(ds, args.head_dim))
         if args.calibration:

@@ -9,7 +9,9 @@ verifies a sweep's). On each size every reader with a command line runs in a chi
 - ``report-dask``: the same with ``--scheduler processes`` (only with ``--dask``)
 - ``frontier``: ``tracesim frontier D --out F``
 - ``export``: ``tracesim export D --format parquet-dataset --out E``
-- ``perstep``: ``python -m tracesim.analysis.perstep D`` (the per-step table and its costs)
+- ``perstep``: ``python -m tracesim.analysis.perstep D [--by COLUMN]`` (the per-step table
+  and its costs; ``--perstep-by allocator`` on the example sweep, whose top-k baselines
+  differ by allocator)
 
 ``analysis.evict_perstep`` reads in-loop outcome tables (one row per sequence, configuration
 and seed), not results, and the validity rule has no command of its own (``frontier`` fits
@@ -49,7 +51,8 @@ from bench_report_scale import _hwm_kb, _tree, scale  # noqa: E402
 READERS = ("report", "report-dask", "frontier", "export", "perstep")
 
 
-def reader_command(reader: str, results: Path, out: Path) -> list[str]:
+def reader_command(reader: str, results: Path, out: Path,
+                   perstep_by: str | None = None) -> list[str]:
     """The command line that runs ``reader`` on ``results``, writing under ``out``."""
     cli = [sys.executable, "-m", "tracesim.app.cli"]
     if reader == "report":
@@ -61,7 +64,8 @@ def reader_command(reader: str, results: Path, out: Path) -> list[str]:
     if reader == "export":
         return [*cli, "export", str(results), "--format", "parquet-dataset", "--out", str(out)]
     if reader == "perstep":
-        return [sys.executable, "-m", "tracesim.analysis.perstep", str(results)]
+        return [sys.executable, "-m", "tracesim.analysis.perstep", str(results),
+                *(["--by", perstep_by] if perstep_by else [])]
     raise ValueError(f"reader {reader!r}: expected one of {READERS}")
 
 
@@ -91,6 +95,9 @@ def main() -> None:
                     choices=READERS)
     ap.add_argument("--dask", action="store_true", help="also run report-dask")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory")
+    ap.add_argument("--perstep-by", default=None, metavar="COLUMN",
+                    help="perstep's --by (the example sweep needs allocator: its top-k "
+                    "baselines differ by allocator)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     readers = list(args.readers) + (["report-dask"] if args.dask
@@ -109,7 +116,8 @@ def main() -> None:
             out = work / f"{reader}-{copies}"
             shutil.rmtree(out, ignore_errors=True)
             load = os.getloadavg()[0]
-            res = run_tree(reader_command(reader, d, out), work / f"{reader}-{copies}.stderr")
+            res = run_tree(reader_command(reader, d, out, args.perstep_by),
+                           work / f"{reader}-{copies}.stderr")
             res.update(reader=reader, rows=rows, load_avg_1m=round(load, 2),
                        rows_per_s=round(rows / res["seconds"]) if res["rc"] == 0 else None)
             out_rows.append(res)

@@ -199,3 +199,23 @@ def test_perstep_command_prints_what_the_whole_table_gave(perstep_results, optio
     assert out == old
     if options.get("calibration"):
         assert "kappa" in out and "conf_cov" in out
+
+
+def test_perstep_command_with_dask_prints_the_same(perstep_results, capsys):
+    pytest.importorskip("dask.dataframe")  # the cluster extra
+    from tracesim.analysis.perstep import main
+
+    d = str(perstep_results.parent)
+    assert main([d]) == 0
+    duck = capsys.readouterr().out
+    assert main([d, "--scheduler", "synchronous"]) == 0
+    assert capsys.readouterr().out == duck
+
+
+def test_ambiguous_topk_baseline_is_refused_naming_it(perstep_results):
+    df = pq.read_table(perstep_results).to_pandas()
+    topk = df[(df["design"] == "topk") & (df["score"] == "snapkv")].copy()
+    # the same top-k under another allocator: two baselines for one (score, budget)
+    topk["config_id"] = topk["config_id"].str.replace("|uniform:", "|adakv:", regex=False)
+    with pytest.raises(ValueError, match="2 top-k configurations share score 'snapkv'.*--by"):
+        perstep_table(pd.concat([df, topk], ignore_index=True), 8)
