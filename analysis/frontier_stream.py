@@ -7,7 +7,8 @@ results are never loaded whole: :func:`open_frontier_results` verifies them and 
 family columns (one row per configuration, a DuckDB group-by); then each family's rows (its
 configurations, only the frontier's columns) are read, its rules fitted and its frontier rows
 computed by the same code as the in-memory :func:`tracesim.analysis.frontier.frontier_table`.
-Memory is one family's rows, not the table's. The per-step section is computed from sums
+Several families are read at once up to :data:`CHUNK_ROWS` rows (a larger family alone), in
+one pass: memory is one read's rows, not the table's. The per-step section is computed from sums
 (:mod:`tracesim.analysis.perstep_stream`).
 """
 
@@ -33,6 +34,7 @@ from tracesim.analysis.frontier import (
 from tracesim.analysis.validity import (
     SplitSettings,
     ValidityRule,
+    as_text,
     check_rules,
     fit_rule,
     split_sequences,
@@ -126,25 +128,26 @@ def _read_family(ds: ResultsDataset, columns: list[str], ids: list[str],
     return df
 
 
-def _fit(ds: ResultsDataset, columns: list[str], groups: list[list[str]],
-         settings: SplitSettings) -> tuple[dict[str, ValidityRule], list[str]]:
-    """:func:`tracesim.analysis.validity.fit_rules` of every configuration (the certified rows
-    of one group of configurations read at a time), with its notes."""
-    rules: dict[str, ValidityRule] = {}
-    failed: list[str] = []
-    for ids in groups:
-        cert = _read_family(ds, columns, ids, certified_where())
-        for cid, g in cert.groupby("config_id", sort=True, observed=True):
-            try:
-                rules[str(cid)] = fit_rule(g, settings, str(cid))
-            except ValueError:
-                failed.append(str(cid))
-    # in the order the whole-table reader grouped them: its configuration ids were
-    # categoricals in the order of their first row
+def _fit_rows(cert: pd.DataFrame, settings: SplitSettings, rules: dict[str, ValidityRule],
+              failed: list[str]) -> None:
+    """:func:`tracesim.analysis.validity.fit_rules`' loop on some configurations' rows:
+    their rules into ``rules``, the ids no rule fits into ``failed``."""
+    keep = cert["certified"].astype(bool) & cert["cert2"].notna()
+    for cid, g in cert[keep].groupby("config_id", sort=True, observed=True):
+        try:
+            rules[str(cid)] = fit_rule(g, settings, str(cid))
+        except ValueError:
+            failed.append(str(cid))
+
+
+def _fit_notes(ds: ResultsDataset, rules: dict[str, ValidityRule], failed: list[str]
+               ) -> tuple[dict[str, ValidityRule], list[str]]:
+    """The rules and :func:`fit_rules`' notes, in the order the whole-table reader grouped the
+    configurations (categoricals in the order of their first row)."""
     order = {cid: i for i, cid in enumerate(ds.query(
         "SELECT CAST(\"config_id\" AS VARCHAR) AS c FROM results QUALIFY row_number() OVER "
         "(PARTITION BY \"config_id\" ORDER BY __row) = 1 ORDER BY __row")["c"])}
-    failed.sort(key=order.__getitem__)
+    failed = sorted(failed, key=order.__getitem__)
     notes = []
     if failed:
         notes.append(f"no validity rule could be fitted for {len(failed)} configuration(s) "
@@ -155,11 +158,38 @@ def _fit(ds: ResultsDataset, columns: list[str], groups: list[list[str]],
     return dict(sorted(rules.items(), key=lambda kv: order[kv[0]])), notes
 
 
+def _chunks(ds: ResultsDataset, members: dict[str, list[str]], limit: int) -> list[list[str]]:
+    """The families in label order, packed into reads of at most ``limit`` rows (a larger
+    family is one read of its own): fewer scans of the parts, memory still bounded."""
+    counts = ds.sums(["config_id"], where=_NOT_FULL)
+    per_config = dict(zip(counts["config_id"].astype(str), counts["rows"], strict=True))
+    out: list[list[str]] = []
+    size = 0
+    for fam in sorted(members):
+        n = sum(int(per_config.get(c, 0)) for c in members[fam])
+        if not out or size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(fam)
+        size += n
+    return out
+
+
+#: Rows read at once by the frontier (several families per read up to this; a larger family
+#: alone): memory ~1 KB a row while its frontier rows are computed.
+CHUNK_ROWS = 1 << 18
+#: A rule set that holds no configuration of a family: the family's rows when the results
+#: hold rules, all for other configurations (the ``ruled`` variant then certifies none).
+_OTHERS_ONLY: dict[str, Any] = {"\x00": None}
+
+
 def stream_frontier(ds: ResultsDataset, settings: SplitSettings,
-                    given: dict[str, ValidityRule] | None, alpha: float
+                    given: dict[str, ValidityRule] | None, alpha: float,
+                    chunk_rows: int | None = None
                     ) -> tuple[pd.DataFrame, list[str], dict[str, ValidityRule]]:
     """(frontier table, notes, rules) as :func:`tracesim.analysis.frontier_cli.run_frontier`
-    computes them from the whole table, one family's rows at a time."""
+    computes them from the whole table, reading a few families' rows at a time (one pass:
+    each family's rules are fitted on its own rows, then its frontier rows computed)."""
     columns = [c for c in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS) if c in ds]
     seqs = ds.query("SELECT DISTINCT CAST(\"sequence_id\" AS VARCHAR) AS s FROM results "
                     "WHERE \"sequence_id\" IS NOT NULL")["s"]
@@ -170,32 +200,56 @@ def stream_frontier(ds: ResultsDataset, settings: SplitSettings,
              f"sequences"]
     families, members = _families(ds)
     if given is not None:
-        rules = given
-    else:
-        full = ds.query("SELECT DISTINCT CAST(\"config_id\" AS VARCHAR) AS c FROM results "
-                        "WHERE \"score\" = 'full'")["c"].tolist()
-        rules, fit_notes = _fit(ds, columns, [*members.values(), *([full] if full else [])],
-                                settings)
-        notes += fit_notes
-    check_rules(rules, settings, held)
-    if "n_seeds" in ds and ds.query("SELECT count(*) AS n FROM results WHERE "
-                                    "\"n_seeds\" > 1")["n"].iloc[0] > 0:
-        notes.append("aggregated rows: m and n_eff are seed means; fit rules on per-seed rows")
+        check_rules(given, settings, held)
     kinds = [k for k in STRATA if k != "store" or (
         "store" in ds and ds.query(f"SELECT count(DISTINCT \"store\") AS n FROM results "
                                    f"WHERE {_NOT_FULL}")["n"].iloc[0] > 1)]
+    fitted: dict[str, ValidityRule] = {}
+    failed: list[str] = []
+    # per family: its rows with the rules it has, or (without a rule of its own) with none at
+    # all and with others' only; which applies is known once every family is fitted
+    parts: list[tuple[list, list, list | None, list | None]] = []
+
+    def rows_of(chunk: pd.DataFrame, rules: dict | None) -> tuple[list, list[str]]:
+        return frontier_rows(chunk, rules=rules or None, salt=settings.salt,
+                             fraction=settings.fraction, alpha=alpha, families=families,
+                             kinds=kinds)
+
+    for fams in _chunks(ds, members, chunk_rows or CHUNK_ROWS):
+        df = _read_family(ds, columns, [c for f in fams for c in members[f]], _NOT_FULL)
+        if given is None:
+            _fit_rows(df, settings, fitted, failed)
+        labels = as_text(df["config_id"]).map(families)
+        for fam in fams:
+            chunk = df[(labels == fam).to_numpy()]
+            own = given if given is not None else {
+                c: fitted[c] for c in members[fam] if c in fitted}
+            if own:
+                parts.append((*rows_of(chunk, own), None, None))
+            else:
+                parts.append((*rows_of(chunk, None), *rows_of(chunk, _OTHERS_ONLY)))
+        del df, labels
+    if given is None:
+        full = ds.query("SELECT DISTINCT CAST(\"config_id\" AS VARCHAR) AS c FROM results "
+                        "WHERE \"score\" = 'full'")["c"].tolist()
+        if full:
+            _fit_rows(_read_family(ds, columns, full, certified_where()), settings, fitted,
+                      failed)
+        rules, fit_notes = _fit_notes(ds, fitted, failed)
+        notes += fit_notes
+        check_rules(rules, settings, held)
+    else:
+        rules = given
+    if "n_seeds" in ds and ds.query("SELECT count(*) AS n FROM results WHERE "
+                                    "\"n_seeds\" > 1")["n"].iloc[0] > 0:
+        notes.append("aggregated rows: m and n_eff are seed means; fit rules on per-seed rows")
     rows: list[dict[str, Any]] = []
     table_notes: list[str] | None = None
-    for fam in sorted(members):
-        chunk = _read_family(ds, columns, members[fam], _NOT_FULL)
-        out, more = frontier_rows(chunk, rules=rules or None, salt=settings.salt,
-                                  fraction=settings.fraction, alpha=alpha, families=families,
-                                  kinds=kinds)
-        del chunk
+    for out, more, others_out, others_more in parts:
+        if others_out is not None and rules:
+            out, more = others_out, others_more
         rows += out
         table_notes = more
     if table_notes is None:  # no family at all: the notes the whole table would give
-        _, table_notes = frontier_rows(ds.read(columns, "FALSE"), rules=rules or None,
-                                       salt=settings.salt, fraction=settings.fraction,
-                                       alpha=alpha, families=families, kinds=kinds)
+        _, table_notes = rows_of(ds.read(columns, "FALSE"), rules)
     return finish_frontier(rows), notes + table_notes, rules

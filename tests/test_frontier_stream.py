@@ -92,7 +92,14 @@ def sweep(tmp_path_factory) -> Path:
     return root / "a"
 
 
-def test_streamed_frontier_equals_the_whole_table_computation(sweep, tmp_path):
+@pytest.mark.parametrize("chunk_rows", [None, 1, 2500],
+                         ids=["one-read", "per-family", "two-per-read"])
+def test_streamed_frontier_equals_the_whole_table_computation(sweep, tmp_path, monkeypatch,
+                                                              chunk_rows):
+    from tracesim.analysis import frontier_stream
+
+    if chunk_rows is not None:  # families read one at a time, or a few per read
+        monkeypatch.setattr(frontier_stream, "CHUNK_ROWS", chunk_rows)
     table, notes = run_frontier(sweep, tmp_path / "f")
     old, old_notes, old_rules, _ = _old_frontier(sweep)
     _same_table(table, old)
