@@ -89,6 +89,10 @@ class ResultsDataset:
     memory_limit : str
         DuckDB's ``memory_limit`` (e.g. ``"512MB"``); beyond it aggregation spills to disk.
     threads : int
+    scheduler : str or None
+        None: DuckDB answers :meth:`sums`; otherwise the Dask scheduler that does
+        (``threads``, ``processes``, ``synchronous`` or a distributed scheduler's address;
+        :mod:`tracesim.analysis.aggregate_dask`). Row reads are DuckDB's either way.
     """
 
     files: list[Path]
@@ -97,6 +101,7 @@ class ResultsDataset:
     n_rows: int
     memory_limit: str = DEFAULT_MEMORY_LIMIT
     threads: int = DEFAULT_THREADS
+    scheduler: str | None = None
     _con: Any = field(default=None, repr=False)
     _spill: Any = field(default=None, repr=False)
     _frame: pd.DataFrame | None = field(default=None, repr=False)
@@ -214,6 +219,11 @@ class ResultsDataset:
         null are left out, as pandas' ``groupby``), with ``rows``, and per value column
         ``n_<c>`` (non-missing values), ``sum_<c>`` and, with ``squares``, ``sumsq_<c>``.
         ``keys`` may be SQL expressions given as ``"expr AS name"``."""
+        if self.scheduler is not None and self.files:
+            from tracesim.analysis.aggregate_dask import dask_sums
+
+            return dask_sums(self.files, self.columns, keys, values, where, squares,
+                             self.scheduler)
         names = [k.rsplit(" AS ", 1)[-1].strip('"') for k in keys]
         exprs = [k if " AS " in k else quote(k) for k in keys]
         agg = ["COUNT(*) AS rows"]
@@ -270,7 +280,7 @@ def _settings() -> tuple[str, int]:
 
 def open_results(directory: str | Path, *, trust_unsigned: bool = False,
                  notes: list[str] | None = None, memory_limit: str | None = None,
-                 threads: int | None = None) -> ResultsDataset:
+                 threads: int | None = None, scheduler: str | None = None) -> ResultsDataset:
     """The verified results of a sweep or replay output directory, unread.
 
     A results dataset (``manifest.json`` + parts) is verified part by part
@@ -278,6 +288,8 @@ def open_results(directory: str | Path, *, trust_unsigned: bool = False,
     single file of replay and earlier sweeps is verified as :func:`results_io.read_verified`
     does (which reads that file whole once: convert large ones to a dataset). Refusals are
     ``UsageError`` naming the file and the field, as :func:`results_io.load_results`.
+    ``scheduler`` (a Dask scheduler; :class:`ResultsDataset`) is checked before any file is
+    read: an unreachable address is a ``UsageError``.
     """
     import pyarrow.parquet as pq
     from tracesim.analysis.results_io import RESULT_FILES, _configs_path, _read_json, read_verified
@@ -286,6 +298,10 @@ def open_results(directory: str | Path, *, trust_unsigned: bool = False,
     from tracesim.dataset_read import verify_dataset
 
     d = Path(directory)
+    if scheduler is not None:
+        from tracesim.analysis.aggregate_dask import check_scheduler_name
+
+        check_scheduler_name(scheduler)
     mem, thr = _settings()
     mem, thr = memory_limit or mem, threads or thr
     for name in RESULT_FILES:
@@ -308,7 +324,8 @@ def open_results(directory: str | Path, *, trust_unsigned: bool = False,
         n_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         columns = tuple(pq.read_schema(files[0]).names) if files else ()
         return ResultsDataset(files=list(files), summary=summary, columns=columns,
-                              n_rows=n_rows, memory_limit=mem, threads=thr)
+                              n_rows=n_rows, memory_limit=mem, threads=thr,
+                              scheduler=scheduler)
     raise ValueError(f"{d}: no results file found (expected one of {list(RESULT_FILES)})")
 
 

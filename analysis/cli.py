@@ -38,7 +38,8 @@ def _command(args: argparse.Namespace) -> int:
                               adversary_dir=args.adversary, traces_dir=args.traces,
                               allow_prereg_change=args.allow_prereg_change,
                               tiers_dir=args.tiers, frontier_dir=args.frontier,
-                              peers_dirs=args.peers or (), trust_unsigned=args.trust_unsigned)
+                              peers_dirs=args.peers or (), trust_unsigned=args.trust_unsigned,
+                              scheduler=args.scheduler)
     except (PreregChangedError, ValueError) as exc:
         print(f"tracesim report: {exc}", file=sys.stderr)
         return 2
@@ -95,4 +96,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="accept results whose summary.json records no row count and sha256 "
                    "(written before tracesim recorded them); the report carries a warning. "
                    "Tampered, duplicated or foreign rows are refused either way")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="aggregate the results with Dask on this scheduler: a distributed "
+                   "scheduler's address (tcp://HOST:PORT) or threads, processes, synchronous "
+                   "(default: none, DuckDB in this process; docs/sweeps.md)")
     p.set_defaults(func=_command)

@@ -34,10 +34,10 @@ import numpy as np
 import pandas as pd
 from tracesim.analysis.claims_replay import NEFF_LABELS, TAIL_LABELS, tail_bins
 from tracesim.analysis.cluster import cluster_proportions
-from tracesim.analysis.validity import ValidityRule, apply_rules, split_sequences
+from tracesim.analysis.validity import ValidityRule, apply_rules, as_text, split_sequences
 
 __all__ = ["AIM", "OPTIONAL_COLUMNS", "REQUIRED_COLUMNS", "STRATA", "aim_table",
-           "family_labels", "frontier_table"]
+           "family_labels", "finish_frontier", "frontier_rows", "frontier_table"]
 
 REQUIRED_COLUMNS = (
     "sequence_id", "task", "layer", "head", "query_role", "config_id", "score", "score_params",
@@ -177,6 +177,21 @@ def frontier_table(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = 
     alpha : float
         Level of the cluster-robust intervals.
     """
+    rows, notes = frontier_rows(df, rules=rules, salt=salt, fraction=fraction, alpha=alpha)
+    return finish_frontier(rows), notes
+
+
+def frontier_rows(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = None,
+                  salt: str | None = None, fraction: float | None = None,
+                  alpha: float = 0.05, families: dict[str, str] | None = None,
+                  kinds: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """The frontier's rows of :func:`frontier_table`, before :func:`finish_frontier`.
+
+    A streaming reader calls it once per family's rows (all configurations of one family
+    label): ``families`` maps every ``config_id`` to its label (:func:`family_labels` of the
+    whole results) and ``kinds`` gives the strata (``store`` only when the whole results hold
+    several), so a part computes what the whole table would for its groups.
+    """
     missing = [c for c in REQUIRED_COLUMNS if c not in df]
     if missing:
         raise ValueError(f"results lack the columns {missing}")
@@ -189,10 +204,13 @@ def frontier_table(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = 
         if col not in df:
             notes.append(f"no `{col}` column: {what}")
     df = df[df["score"] != "full"].copy()
-    df["family"] = family_labels(df)
+    df["family"] = (family_labels(df) if families is None
+                    else as_text(df["config_id"]).map(families).to_numpy())
     df["_memory"] = df["kept_tokens"] + (df["summary_tokens"].fillna(0.0)
                                          if "summary_tokens" in df else 0.0)
-    kinds = [k for k in STRATA if k != "store" or ("store" in df and df["store"].nunique() > 1)]
+    if kinds is None:
+        kinds = [k for k in STRATA
+                 if k != "store" or ("store" in df and df["store"].nunique() > 1)]
     df["_seq"] = pd.factorize(df["sequence_id"])[0]
     for kind in kinds:
         df[f"_s_{kind}"] = _strata_labels(df, kind)
@@ -244,6 +262,12 @@ def frontier_table(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = 
                 out.append({**base, "variant": name, "stratum_kind": "all", "stratum": "all",
                             "n_rows": 0, "n_sequences": 0, "frac_certified": 0.0})
             out.extend({**base, "variant": name, **r} for r in rows)
+    return out, notes
+
+
+def finish_frontier(out: list[dict[str, Any]]) -> pd.DataFrame:
+    """The frontier table from its rows (in (family, budget) order): ``err_vs_topk`` read off
+    every family's top-k curve, the columns in order."""
     table = pd.DataFrame(out)
     table["err_vs_topk"] = _versus_topk(table)
     cols = ["family", "score", "design", "budget", "budget_unit", "variant", "stratum_kind",
@@ -253,7 +277,7 @@ def frontier_table(df: pd.DataFrame, *, rules: dict[str, ValidityRule] | None = 
     for c in cols:
         if c not in table:
             table[c] = np.nan
-    return table[cols], notes
+    return table[cols]
 
 
 def _topk_key(fam_row: pd.Series) -> tuple[tuple, str]:

@@ -18,22 +18,19 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from tracesim.analysis.aggregate import ResultsDataset
 from tracesim.analysis.frontier import (
     AIM,
     OPTIONAL_COLUMNS,
     REQUIRED_COLUMNS,
     STRATA,
     aim_table,
-    frontier_table,
 )
 from tracesim.analysis.validity import (
     SplitSettings,
     ValidityRule,
-    check_rules,
-    fit_rules,
     load_rules,
     save_rules,
-    split_sequences,
 )
 
 from tracesim.atomic import atomic_files
@@ -255,20 +252,23 @@ def _head_dim(results: str | Path) -> int:
     return 64
 
 
-def perstep_costs_markdown(df: pd.DataFrame, head_dim: int = 64) -> str:
+def perstep_costs_markdown(results: pd.DataFrame | ResultsDataset, head_dim: int = 64) -> str:
     """frontier.md's section on per-step designs (empty without per-step rows): error and Wald
     coverage of every configuration next to the HBM it holds and the bytes attention reads per
     layer and step (:mod:`tracesim.analysis.perstep_costs`), prefill designs alongside. The
     frontier's
     memory axis (kept + summary tokens) does not describe a design that reads the whole cache
-    from a lower tier, so they are tabulated against these two costs instead."""
-    needed = ("schedule", "kv_head", "n_positions", "sinks", "window")
-    if any(c not in df for c in needed) or not (df["schedule"] == "step").any():
-        return ""
-    from tracesim.analysis.perstep import perstep_table
-    from tracesim.analysis.perstep_costs import cost_columns
+    from a lower tier, so they are tabulated against these two costs instead. Computed from
+    per-configuration sums (:mod:`tracesim.analysis.perstep_stream`), never the rows."""
+    from tracesim.analysis.perstep_stream import perstep_costs_table
 
-    t = cost_columns(perstep_table(df, head_dim), df, head_dim)
+    ds = (results if isinstance(results, ResultsDataset)
+          else ResultsDataset.from_frame(results))
+    needed = ("schedule", "kv_head", "n_positions", "sinks", "window")
+    if any(c not in ds for c in needed) or ds.empty or ds.query(
+            "SELECT count(*) AS n FROM results WHERE \"schedule\" = 'step'")["n"].iloc[0] == 0:
+        return ""
+    t = perstep_costs_table(ds, head_dim)
     rows = [[r.score, r.proxy, r.design, r.schedule, _f(r.budget), _f(r.wald), _f(r.mse, 4),
              _f(r.hbm_kib, 5), _f(r.step_read_kib, 5), _f(r.read_rows, 6)]
             for r in t.itertuples(index=False)]
@@ -285,7 +285,7 @@ def run_frontier(results: str | Path, out: str | Path, *,
                  prereg_path: str | Path = _DEFAULT_PREREG, rules_path: str | Path | None = None,
                  alpha: float = 0.05) -> tuple[pd.DataFrame, list[str]]:
     """Compute the frontier of a results directory and write the files of :data:`FILES`."""
-    from tracesim.analysis.claims_c8 import c8_rows
+    from tracesim.analysis.frontier_stream import open_frontier_results, stream_frontier
     from tracesim.analysis.prereg import load_prereg
 
     from tracesim.outpaths import check_output
@@ -297,36 +297,25 @@ def run_frontier(results: str | Path, out: str | Path, *,
         from tracesim.atomic import check_file_targets
 
         check_file_targets(out, list(FILES))
-    # the rules file is read first: a bad --rules fails before the results are loaded
+    # the rules file is read first: a bad --rules fails before the results are read
     given = load_rules(rules_path) if rules_path is not None else None
-    df = load_frontier_results(results)
-    prereg = load_prereg(prereg_path)
-    settings = SplitSettings.from_claim(prereg.claims["C8"])
-    split = split_sequences(df["sequence_id"].unique(), settings.salt, settings.fraction)
-    held = [s for s, c in split.items() if not c]
-    notes = [f"validity rules: split salt `{settings.salt}`, calibration fraction "
-             f"{settings.fraction}: {len(split) - len(held)} calibration, {len(held)} held-out "
-             f"sequences"]
-    if given is not None:
-        rules = given
-    else:
-        cert = c8_rows(df, {**prereg.claims["C8"], "compare": {}, "deployable_only": False})
-        rules, fit_notes = fit_rules(cert, settings)
-        notes += fit_notes
-    check_rules(rules, settings, held)
-    if "n_seeds" in df and (df.get("n_seeds", pd.Series([1])) > 1).any():
-        notes.append("aggregated rows: m and n_eff are seed means; fit rules on per-seed rows")
-    table, more = frontier_table(df, rules=rules or None, salt=settings.salt,
-                                 fraction=settings.fraction, alpha=alpha)
-    notes += more
+    # verified and opened, never loaded whole: one family's rows at a time
+    # (tracesim.analysis.frontier_stream)
+    ds = open_frontier_results(results)
+    try:
+        prereg = load_prereg(prereg_path)
+        settings = SplitSettings.from_claim(prereg.claims["C8"])
+        table, notes, rules = stream_frontier(ds, settings, given, alpha)
+        perstep_md = perstep_costs_markdown(ds, _head_dim(results))
+    finally:
+        ds.close()
     out.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), buf)
     with atomic_files(out, list(FILES)) as stage:  # the four files or none of them
         (stage / "frontier.parquet").write_bytes(buf.getvalue())
         (stage / "frontier.md").write_bytes((render_markdown(table, notes, rules)
-                                             + perstep_costs_markdown(df, _head_dim(results))
-                                             ).encode())
+                                             + perstep_md).encode())
         (stage / "frontier.png").write_bytes(pareto_figure(table))
         save_rules(stage / "validity_rules.json", rules, settings)
     return table, notes

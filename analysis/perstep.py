@@ -17,7 +17,7 @@ With ``--by COLUMN`` (e.g. ``store`` for the length sweep) it prints one table p
 column, each with its own top-k baseline and costs.
 
 Usage: ``python -m tracesim.analysis.perstep RESULTS_DIR [--calibration DIR] [--peers DIR ...]
-[--prereg data/prereg.yaml] [--by COLUMN]`` (``docs/perstep.md``).
+[--prereg data/prereg.yaml] [--by COLUMN] [--scheduler ADDRESS]`` (``docs/perstep.md``).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from tracesim.analysis.claims_perstep import evaluate_c9, evaluate_c10
+from tracesim.analysis.claims_perstep import evaluate_c9, evaluate_c10, perstep_read
 from tracesim.analysis.cluster import cluster_mean, student_quantile
 from tracesim.analysis.perstep_costs import cost_columns
 from tracesim.analysis.prereg import load_prereg
-from tracesim.analysis.results_io import load_peers, load_results
+from tracesim.analysis.results_io import load_peers
 
 # evaluate_c9 and evaluate_c10 live with the other claims (tracesim.analysis.claims_perstep); they
 # are
@@ -67,31 +67,52 @@ def perstep_table(df: pd.DataFrame, head_dim: int = 64) -> pd.DataFrame:
     ``gqa`` says how a per-step design samples the GQA group; a configuration's top-k baseline
     is the one with its score, proxy, ``gqa`` and budget, else the group-shared (``mean``)
     one."""
-    from tracesim.proxies import make_proxy
-
     rows = []
     first = df.drop_duplicates("config_id").set_index("config_id")
     for cid, g in df.groupby("config_id", sort=False):
-        meta = first.loc[cid]
         cov, hw = _cluster_ci(g["wald_cov"], g["sequence_id"])
         cov_t, _ = _cluster_ci(g["wald_t_cov"], g["sequence_id"])
-        proxy = _proxy(meta)
-        rows.append({
-            "score": meta["score"], "proxy": proxy, "gqa": _gqa(meta), "design": meta["design"],
-            "schedule": cid.split("|")[4] if cid != "full" else "—",
-            "budget": meta["budget"], "rows": len(g),
-            "wald": cov, "wald_ci": hw, "wald_t": cov_t, "mse": float(g["err2"].mean()),
-            "kept": float(g["kept_tokens"].mean()),
-            "proxy_bits": (make_proxy(proxy).bits_per_token(head_dim) if proxy != "—"
-                           else float("nan")),
-        })
-    out = pd.DataFrame(rows)
+        rows.append(table_row(str(cid), first.loc[cid], (cov, hw, cov_t), len(g),
+                              float(g["err2"].mean()), float(g["kept_tokens"].mean()),
+                              head_dim))
+    return with_topk_ratio(pd.DataFrame(rows))
+
+
+def table_row(cid: str, meta: pd.Series, coverage: tuple[float, float, float], n_rows: int,
+              mse: float, kept: float, head_dim: int = 64) -> dict:
+    """One configuration's row of :func:`perstep_table` from its first row ``meta``, its
+    (Wald coverage, its 95 % half-width, Wald-t coverage), row count, mean err2 and mean kept
+    tokens."""
+    from tracesim.proxies import make_proxy
+
+    proxy = _proxy(meta)
+    return {
+        "score": meta["score"], "proxy": proxy, "gqa": _gqa(meta), "design": meta["design"],
+        "schedule": cid.split("|")[4] if cid != "full" else "—",
+        "budget": meta["budget"], "rows": n_rows,
+        "wald": coverage[0], "wald_ci": coverage[1], "wald_t": coverage[2], "mse": mse,
+        "kept": kept,
+        "proxy_bits": (make_proxy(proxy).bits_per_token(head_dim) if proxy != "—"
+                       else float("nan")),
+    }
+
+
+def with_topk_ratio(out: pd.DataFrame) -> pd.DataFrame:
+    """``mse_vs_topk``: each row's error over per-query top-k's with its score, proxy, ``gqa``
+    and budget (else the group-shared one)."""
     topk = out[out.design == "topk"].set_index(["score", "proxy", "gqa", "budget"])["mse"]
 
     def baseline(r) -> float:
         for gqa in (r.gqa, "mean"):
-            if (r.score, r.proxy, gqa, r.budget) in topk.index:
-                return float(topk[(r.score, r.proxy, gqa, r.budget)])
+            key = (r.score, r.proxy, gqa, r.budget)
+            if key in topk.index:
+                found = topk[key]
+                if isinstance(found, pd.Series):  # not one baseline: say so, not a traceback
+                    raise ValueError(
+                        f"{len(found)} top-k configurations share score {r.score!r}, proxy "
+                        f"{r.proxy!r}, gqa {gqa!r} and budget {r.budget:g}: expected one "
+                        "baseline each; split the table with --by COLUMN (e.g. allocator)")
+                return float(found)
         return np.nan
 
     out["mse_vs_topk"] = [r.mse / baseline(r) for r in out.itertuples()]
@@ -140,22 +161,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by", default=None, metavar="COLUMN",
                     help="one table per value of this result column, e.g. 'store' for a "
                          "length sweep (each value's own top-k baseline and costs)")
+    ap.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                    help="compute the per-configuration sums with Dask on this scheduler "
+                    "(tcp://HOST:PORT, threads, processes or synchronous; default: DuckDB)")
     args = ap.parse_args(argv)
     try:
-        df, _ = load_results(Path(args.results))
+        from tracesim.analysis.aggregate import open_results
+        from tracesim.analysis.perstep_stream import (
+            by_table_from,
+            conformal_columns,
+            perstep_costs_table,
+        )
+
         if args.by and args.calibration:
             raise ValueError("--by and --calibration: give one of them")
-        table = (by_table(df, args.by, args.head_dim) if args.by else
-                 cost_columns(perstep_table(df, args.head_dim), df, args.head_dim))
+        # verified and opened, never loaded whole: the table from per-configuration sums, the
+        # conformal radius from one configuration's certified rows at a time
+        ds = open_results(Path(args.results), scheduler=args.scheduler)
+        table = (by_table_from(ds, args.by, args.head_dim) if args.by else
+                 perstep_costs_table(ds, args.head_dim))
         if args.calibration:
-            cal, _ = load_results(Path(args.calibration))
-            radius = conformal_radius(cal)
-            table["kappa"] = [radius.get(c, np.nan) for c in df.drop_duplicates(
-                "config_id")["config_id"]]
-            cover = {c: float(np.mean(_ratio(g) <= radius[c])) for c, g in
-                     df[df["certified"]].groupby("config_id") if c in radius}
-            table["conf_cov"] = [cover.get(c, np.nan) for c in df.drop_duplicates(
-                "config_id")["config_id"]]
+            cal = open_results(Path(args.calibration))
+            table["kappa"], table["conf_cov"] = conformal_columns(ds, cal)
         claims = []
         if args.prereg:
             pre = load_prereg(args.prereg)
@@ -164,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             errors = {}
             for cid in ("C9", "C11"):
                 try:
-                    claims.append(evaluate_c9(df, pre.claims[cid], pre.claim_alpha(cid), cid))
+                    claims.append(evaluate_c9(perstep_read(ds, pre.claims[cid], cid),
+                                              pre.claims[cid], pre.claim_alpha(cid), cid))
                 except ValueError as exc:
                     errors[cid] = str(exc)
             if len(errors) == 2:

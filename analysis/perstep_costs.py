@@ -35,7 +35,7 @@ import json
 
 import pandas as pd
 
-__all__ = ["cost_columns"]
+__all__ = ["config_costs", "cost_columns"]
 
 
 def cost_columns(table: pd.DataFrame, df: pd.DataFrame, head_dim: int = 64,
@@ -43,39 +43,46 @@ def cost_columns(table: pd.DataFrame, df: pd.DataFrame, head_dim: int = 64,
     """``table`` (:func:`tracesim.analysis.perstep.perstep_table`) with the cost columns added:
     ``hbm_kib``, ``read_rows``, ``link_kib`` (rows), ``link_kib_partial``, ``step_us`` (rows),
     ``step_us_partial`` and ``step_read_kib``, per layer and decode step (module docstring)."""
+    n_kv = int(df["kv_head"].nunique())
+    G = int(df["head"].nunique()) // max(n_kv, 1)
+    first = df.drop_duplicates("config_id").set_index("config_id")
+    out = []
+    for cid, g in df.groupby("config_id", sort=False):
+        P = float(g["n_positions"].mean()) if "n_positions" in g else float("nan")
+        out.append(config_costs(first.loc[cid], float(g["kept_tokens"].mean()), P, n_kv, G,
+                                head_dim, model))
+    return pd.concat([table.reset_index(drop=True), pd.DataFrame(out)], axis=1)
+
+
+def config_costs(meta: pd.Series, kept: float, P: float, n_kv: int, G: int,
+                 head_dim: int = 64, model=None) -> dict[str, float]:
+    """One configuration's cost columns (:func:`cost_columns`) from its first row ``meta``
+    (score, score parameters, sinks, window), its mean kept tokens ``kept``, mean cached
+    positions ``P``, and the results' KV heads ``n_kv`` and query heads per KV head ``G``."""
     from tracesim.proxies import make_proxy
     from tracesim.tiers.model import MemoryModel
 
     model = model or MemoryModel()
     tier = model.lower[0]
     b = model.token_bytes(head_dim)
-    n_kv = int(df["kv_head"].nunique())
-    G = int(df["head"].nunique()) // max(n_kv, 1)
-    first = df.drop_duplicates("config_id").set_index("config_id")
-    out = []
-    for cid, g in df.groupby("config_id", sort=False):
-        meta = first.loc[cid]
-        kept = float(g["kept_tokens"].mean())
-        P = float(g["n_positions"].mean()) if "n_positions" in g else float("nan")
-        per_step = meta["score"] == "perstep"
-        resident = int(meta["sinks"]) + int(meta["window"])
-        if per_step:
-            params = json.loads(meta["score_params"])
-            summary = P * make_proxy(params.get("proxy", "exact")).bits_per_token(head_dim) / 8
-            hbm = resident * b + summary
-            # kept_tokens stops before the step's own token: nothing more to subtract.
-            rows = max(0.0, kept - resident)
-            # each query head reads its own sample with gqa: head (kept is per query head)
-            samples = G if params.get("gqa") == "head" else 1
-            rows *= samples
-            read = kept * b * samples + summary  # the step scores every token's summary
-        else:
-            hbm, rows, read = kept * b, 0.0, kept * b
-        partial = G * (2 * head_dim + 3) * 4 if per_step else 0.0
-        t_rows = float(tier.fetch_seconds(rows * n_kv, rows * n_kv * b)) if rows else 0.0
-        t_part = float(tier.fetch_seconds(n_kv, partial * n_kv)) if per_step else 0.0
-        out.append({"hbm_kib": hbm * n_kv / 1024, "read_rows": rows * n_kv,
-                    "link_kib": rows * n_kv * b / 1024, "link_kib_partial": partial * n_kv / 1024,
-                    "step_us": t_rows * 1e6, "step_us_partial": t_part * 1e6,
-                    "step_read_kib": read * n_kv / 1024})
-    return pd.concat([table.reset_index(drop=True), pd.DataFrame(out)], axis=1)
+    per_step = meta["score"] == "perstep"
+    resident = int(meta["sinks"]) + int(meta["window"])
+    if per_step:
+        params = json.loads(meta["score_params"])
+        summary = P * make_proxy(params.get("proxy", "exact")).bits_per_token(head_dim) / 8
+        hbm = resident * b + summary
+        # kept_tokens stops before the step's own token: nothing more to subtract.
+        rows = max(0.0, kept - resident)
+        # each query head reads its own sample with gqa: head (kept is per query head)
+        samples = G if params.get("gqa") == "head" else 1
+        rows *= samples
+        read = kept * b * samples + summary  # the step scores every token's summary
+    else:
+        hbm, rows, read = kept * b, 0.0, kept * b
+    partial = G * (2 * head_dim + 3) * 4 if per_step else 0.0
+    t_rows = float(tier.fetch_seconds(rows * n_kv, rows * n_kv * b)) if rows else 0.0
+    t_part = float(tier.fetch_seconds(n_kv, partial * n_kv)) if per_step else 0.0
+    return {"hbm_kib": hbm * n_kv / 1024, "read_rows": rows * n_kv,
+            "link_kib": rows * n_kv * b / 1024, "link_kib_partial": partial * n_kv / 1024,
+            "step_us": t_rows * 1e6, "step_us_partial": t_part * 1e6,
+            "step_read_kib": read * n_kv / 1024}

@@ -96,7 +96,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                  tiers_dir: str | Path | None = None,
                  frontier_dir: str | Path | None = None,
                  peers_dirs: Sequence[str | Path] = (),
-                 trust_unsigned: bool = False) -> Report:
+                 trust_unsigned: bool = False, scheduler: str | None = None) -> Report:
     """Evaluate every claim of the claims table (:mod:`tracesim.analysis.claim_registry`) on the
     given
     results.
@@ -107,7 +107,9 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     ``tiers_dir`` is a ``tracesim tiers`` output: C7 in bytes and modelled time.
     ``peers_dirs`` are ``tracesim peers`` outputs: C10 (vAttention's guarantee). Results are
     verified against their summary (:func:`load_results`); ``trust_unsigned`` accepts
-    results whose summary records no hash, with a warning in the report. A claim whose inputs
+    results whose summary records no hash, with a warning in the report. ``scheduler`` (a
+    Dask scheduler) computes the results' aggregates with Dask instead of DuckDB
+    (:class:`tracesim.analysis.aggregate.ResultsDataset`). A claim whose inputs
     are absent is listed as ``not evaluated`` with the input it lacks.
     """
     prereg = load_prereg(prereg_path)
@@ -118,7 +120,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     if results_dir is not None:
         # verified part by part, never read whole: each claim, table and figure asks DuckDB
         # for its aggregates or its own rows (tracesim.analysis.aggregate)
-        results = open_results(results_dir, trust_unsigned=trust_unsigned, notes=load_notes)
+        results = open_results(results_dir, trust_unsigned=trust_unsigned, notes=load_notes,
+                               scheduler=scheduler)
         summary_r = results.summary
     if outcomes_dir is not None:
         outcomes, summary_o = load_outcomes(outcomes_dir, trust_unsigned=trust_unsigned,
