@@ -26,7 +26,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 __all__ = ["FORMATS", "PARTITION_COLUMNS", "ExportError", "export_results", "find_results",
@@ -131,22 +130,12 @@ def _write_dataset(source: Path, tmp: Path, batch_rows: int, max_rows_per_file: 
     if missing:
         raise ExportError(f"{source}: column(s) {missing} missing; a parquet-dataset is "
                           f"partitioned by {list(PARTITION_COLUMNS)} (use --format csv)")
-    part_schema = pa.schema([schema.field(c) for c in PARTITION_COLUMNS])
-    rows = [0]
+    from tracesim.hive_writer import write_hive
 
-    def batches():
-        for batch in source_batches:
-            rows[0] += batch.num_rows
-            yield _budget_as_null(batch)
-
-    reader = pa.RecordBatchReader.from_batches(schema, batches())
-    ds.write_dataset(
-        reader, tmp, format="parquet",
-        partitioning=ds.partitioning(part_schema, flavor="hive"),
-        basename_template="part-{i}.parquet", max_partitions=1_000_000,
-        max_rows_per_file=max_rows_per_file,
-        max_rows_per_group=min(max_rows_per_file, 1 << 17), existing_data_behavior="error")
-    return rows[0]
+    # not pyarrow's write_dataset: it queues up to 64M rows before its writers catch up
+    return write_hive((_budget_as_null(b) for b in source_batches), schema, tmp,
+                      PARTITION_COLUMNS, max_rows_per_file=max_rows_per_file,
+                      row_group_rows=min(max_rows_per_file, 1 << 17))
 
 
 def export_results(results: str | os.PathLike, out: str | os.PathLike, fmt: str, *,
