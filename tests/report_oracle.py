@@ -17,6 +17,7 @@ from tracesim.analysis.claims import (
     ClaimResult,
     eviction_rows,
 )
+from tracesim.analysis.claims_perstep import pick_configs
 from tracesim.analysis.claims_replay import (
     MASS_LABELS,
     NEFF_LABELS,
@@ -25,6 +26,7 @@ from tracesim.analysis.claims_replay import (
     _claim,
     tail_bins,
 )
+from tracesim.analysis.cluster import one_sided_bounds
 from tracesim.analysis.coverage import cluster_coverage
 from tracesim.analysis.equivalence import paired_tost
 from tracesim.analysis.plotting import png_bytes, pyplot
@@ -164,3 +166,107 @@ def head_budget_figure(results: pd.DataFrame) -> bytes:
 
 
 __all__ = ["error_budget_figure", "evaluate_c1", "evaluate_c2_attention", "head_budget_figure"]
+
+
+def evaluate_c5(results: pd.DataFrame, prereg) -> ClaimResult:
+    """C5 as main computed it before its rule ran in DuckDB: pandas pivots of the rows.
+
+    Certificate-gated escalation vs the uniform budget at matched mean memory.
+
+    For base budget b and escalated budget b'' > b' > b from the grid, escalate the units
+    (sequence, layer, head, query) with the largest certificates at b until the mean budget is
+    b', and compare their error with the uniform budget b' (paired TOST by sequence).
+    """
+    claim, alpha = _claim(prereg, "C5")
+    res = ClaimResult("C5", claim["hypothesis"])
+    unit = ["sequence_id", "layer", "head", "query_position", "score"]
+    df = _certified(eviction_rows(results))
+    df = df[(df["design"] == "poisson") & (df["budget_unit"] == "fraction")
+            & (df["allocator"] == "uniform")]
+    diffs: list[pd.Series] = []
+    for score, sdf in df.groupby("score"):
+        budgets = sorted(sdf["budget"].unique())
+        for lo, mid, hi in zip(budgets, budgets[1:], budgets[2:], strict=False):
+            piv = sdf.pivot_table(index=unit, columns="budget", values=["rel_err", "cert2"])
+            piv = piv.dropna()
+            if piv.empty:
+                continue
+            frac = (mid - lo) / (hi - lo)
+            cert = piv[("cert2", lo)]
+            gated_units = cert.rank(ascending=False, method="first") <= frac * len(cert)
+            gated = np.where(gated_units, piv[("rel_err", hi)], piv[("rel_err", lo)])
+            frame = pd.DataFrame({"gated": gated, "uniform": piv[("rel_err", mid)].to_numpy(),
+                                  "sequence_id": piv.index.get_level_values(0)})
+            diffs.append(frame.groupby("sequence_id")[["gated", "uniform"]].mean().assign(
+                score=score, budget=mid))
+    if not diffs:
+        res.detail = ("needs certified poisson rows at three or more fraction budgets "
+                      "(uniform allocator)")
+        return res
+    both = pd.concat(diffs).groupby(level=0)[["gated", "uniform"]].mean()  # per sequence
+    if len(both) < 2:
+        res.detail = "too few (sequence, budget) pairs"
+        return res
+    margin = float(claim["margin"])
+    test = paired_tost(both["gated"].to_numpy(), both["uniform"].to_numpy(), margin,
+                       alpha=alpha)
+    res.estimate, res.ci_low, res.ci_high, res.pvalue = (test.mean_difference, test.ci_low,
+                                                         test.ci_high, test.pvalue)
+    if test.supported:
+        res.verdict = SUPPORTED
+    elif test.ci_high < -margin:
+        res.verdict = NOT_SUPPORTED  # gating is better beyond the margin: it adds something
+    else:
+        res.verdict = INCONCLUSIVE
+    res.detail = (f"rel. error, gated - uniform at matched mean budget, averaged per sequence "
+                  f"over scores and budgets, {len(both)} sequences, margin ±{margin}")
+    return res
+
+
+def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float, claim_id: str = "C9") -> dict:
+    """C9 as main computed it from the rows before it read per-sequence sums.
+
+    C9 on held-out results: coverage CI against the interval, paired MSE test vs top-k.
+
+    C11 is the same rule on another model's held-out sequences: ``claim_id`` names the claim in
+    messages, and a ``model_id`` field of the entry keeps only that model's rows.
+    """
+    from scipy import stats
+
+    df, pick = pick_configs(df, claim, claim_id)
+    p = df[df.config_id == pick["primary"]]
+    b = df[df.config_id == pick["baseline"]]
+    lo_iv, hi_iv = claim["interval"]
+    # (1 - 2 alpha) two-sided = alpha one-sided on each side
+    cov, lo2, hi2 = one_sided_bounds(p["wald_cov"], p["sequence_id"], 1 - alpha)
+    _, lo1, hi1 = one_sided_bounds(p["wald_cov"], p["sequence_id"], 1 - alpha / 2)
+    mp = p.groupby("sequence_id")["err2"].mean()
+    mb = b.groupby("sequence_id")["err2"].mean()
+    if set(mp.index) != set(mb.index):
+        raise ValueError(f"{claim_id}: the primary and baseline configurations cover different "
+                         f"sequences ({len(mp)} and {len(mb)}), expected the same for the "
+                         "paired test")
+    mb = mb.loc[mp.index]
+    if not ((mp > 0) & (mb > 0) & np.isfinite(mp) & np.isfinite(mb)).all():
+        raise ValueError(f"{claim_id}: a sequence has a zero or non-finite MSE, expected positive "
+                         "MSEs for the paired log-ratio test")
+    ratio = np.log(mp / mb)
+    t = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="less")
+    t_gt = stats.ttest_1samp(ratio.to_numpy(), 0.0, alternative="greater")
+    within = lo_iv <= lo2 and hi2 <= hi_iv
+    outside = hi1 < lo_iv or lo1 > hi_iv
+    if within and t.pvalue < alpha:
+        verdict = "supported"
+    elif outside or t_gt.pvalue < alpha:
+        verdict = "not supported"
+    else:
+        verdict = "inconclusive"
+    by_kind = {}
+    if "attention_kind" in p:
+        for kind, g in p.groupby("attention_kind"):
+            by_kind[str(kind)] = float(g["wald_cov"].mean())
+    return {"claim": claim_id, "coverage": cov, "ci_90": (lo2, hi2), "ci_95": (lo1, hi1),
+            "sequences": int(p.sequence_id.nunique()), "rows": len(p),
+            "mse_ratio_geomean": float(np.exp(ratio.mean())), "mse_p": float(t.pvalue),
+            "verdict": verdict, "primary": pick["primary"], "baseline": pick["baseline"],
+            "coverage_by_attention_kind": by_kind}

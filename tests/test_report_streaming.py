@@ -16,18 +16,17 @@ from tracesim.analysis import figures
 from tracesim.analysis.aggregate import ResultsDataset, coverage_from_sums
 from tracesim.analysis.claims import ClaimInputs
 from tracesim.analysis.claims_c8 import c8_claim, evaluate_c8
-from tracesim.analysis.claims_perstep import c9_claim, evaluate_c9
-from tracesim.analysis.claims_replay import (
+from tracesim.analysis.claims_gating import (
     RECOMPUTE_BUDGETS,
     c5_claim,
     c7_claim,
-    evaluate_c1,
-    evaluate_c2_attention,
     evaluate_c5,
     evaluate_c7,
     recompute_curves,
     token_logprobs,
 )
+from tracesim.analysis.claims_perstep import c9_claim, evaluate_c9
+from tracesim.analysis.claims_replay import evaluate_c1, evaluate_c2_attention
 from tracesim.analysis.coverage import cluster_coverage
 from tracesim.analysis.prereg import load_prereg
 from tracesim.analysis.provenance import collect_provenance
@@ -95,16 +94,24 @@ def test_claims_from_duckdb_equal_the_pandas_computation(replayed):
     _same_claim(c2, o2)
     assert c2.verdict != "not evaluated" and c2.extra == pytest.approx(o2.extra, rel=1e-9)
     inputs = ClaimInputs(prereg=prereg, results=ds, traces_dir=store)
-    _same_claim(c5_claim(inputs), evaluate_c5(df, prereg))
-    assert c5_claim(inputs).verdict != "not evaluated"
+    c5, o5 = c5_claim(inputs), report_oracle.evaluate_c5(df, prereg)
+    _same_claim(c5, o5)
+    _same_claim(evaluate_c5(df, prereg), o5)  # an in-memory table through the same SQL
+    assert c5.verdict != "not evaluated" and math.isfinite(c5.estimate)
     curves = recompute_curves(df, token_logprobs(store), RECOMPUTE_BUDGETS)
     _same_claim(c7_claim(inputs), evaluate_c7(curves, prereg))
     assert not inputs.artifacts["C7 curves"].empty
     _same_claim(c8_claim(inputs), evaluate_c8(df, prereg)[0])
     c9 = c9_claim(inputs)
-    o9 = evaluate_c9(df, prereg.claims["C9"], prereg.claim_alpha("C9"))
+    o9 = report_oracle.evaluate_c9(df, prereg.claims["C9"], prereg.claim_alpha("C9"))
     assert c9.verdict == o9["verdict"] and _close(c9.estimate, o9["coverage"])
     assert _close(c9.pvalue, o9["mse_p"]) and _close(c9.ci_low, o9["ci_90"][0])
+    assert _close(c9.ci_high, o9["ci_90"][1]) and math.isfinite(c9.ci_low)
+    m9 = evaluate_c9(df, prereg.claims["C9"], prereg.claim_alpha("C9"))  # pandas sums
+    assert m9["rows"] == o9["rows"] and m9["sequences"] == o9["sequences"]
+    for f in ("coverage", "mse_p", "mse_ratio_geomean"):
+        assert _close(m9[f], o9[f]), f
+    assert all(_close(a, b) for a, b in zip(m9["ci_95"], o9["ci_95"], strict=True))
     # the report's header and its mean-of-rows figures
     kw = dict(prereg_sha256="x", prereg_name="p", prereg_matches=True)
     assert (collect_provenance(ds, None, None, None, **kw).rows
