@@ -4,20 +4,22 @@ escalation of the eviction budget) and C7 (recomputation scheduling).
 C5 is computed in DuckDB (:class:`tracesim.analysis.aggregate.ResultsDataset`): its rule ranks
 units (sequence, layer, head, query) by their certificate, so the rows are first averaged over
 seeds to one row per (unit, budget) in SQL, the ranking is a window over those units, and only
-per-sequence means come back to Python (:func:`c5_sequence_means`). C7's gates draw a random
-permutation per (sequence, configuration) in the table's order, so C7 reads its six columns of
-the certified decode rows (:func:`c7_rows`).
+per-sequence means come back to Python (:func:`c5_sequence_means`). C7's random gate draws a
+permutation of each (sequence, configuration) cluster's rows in the table's order, so C7 reads
+six columns of the certified decode rows, sorted by DuckDB and handed over one cluster at a
+time (:func:`c7_clusters`): memory is one cluster, not the table.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from scipy import stats
-from tracesim.analysis.aggregate import notna, quote, sql_in
+from tracesim.analysis.aggregate import READ_BATCH_ROWS, notna, quote, sql_in
 from tracesim.analysis.claims import (
     INCONCLUSIVE,
     NOT_EVALUATED,
@@ -28,10 +30,10 @@ from tracesim.analysis.claims import (
     certified_where,
     eviction_where,
 )
-from tracesim.analysis.claims_replay import _as_dataset, _certified, _claim
+from tracesim.analysis.claims_replay import _as_dataset, _claim
 from tracesim.analysis.equivalence import paired_tost
 
-__all__ = ["RECOMPUTE_BUDGETS", "c5_claim", "c5_sequence_means", "c7_claim", "c7_rows",
+__all__ = ["RECOMPUTE_BUDGETS", "c5_claim", "c5_sequence_means", "c7_claim", "c7_clusters",
            "evaluate_c5", "evaluate_c7", "recompute_curves", "token_logprobs"]
 
 #: Recompute budgets of C7's curves (shares of (decode step, head) units).
@@ -144,33 +146,55 @@ def evaluate_c5(results, prereg) -> ClaimResult:
     return res
 
 
-def c7_rows(results) -> pd.DataFrame:
+def c7_clusters(results, batch_rows: int = READ_BATCH_ROWS
+                ) -> Iterator[tuple[str, str, pd.DataFrame]]:
     """The rows C7 schedules recomputation over (certified decode rows of the Poisson design),
-    in the table's order (its random gate draws per group in that order): a filtered read of
-    six columns."""
-    if isinstance(results, pd.DataFrame):
-        df = _certified(results)
-        return df[(df["design"] == "poisson") & (df["query_role"] == "decode")]
+    one (sequence, configuration) cluster at a time in sorted key order, each cluster's rows in
+    the table's order (its random gate draws a permutation of them).
+
+    DuckDB sorts the filtered rows (out of core, under the memory limit) and they arrive in
+    batches: memory holds one batch and one cluster, never the table. The random gate needs
+    each row of a cluster, so this is the one claim input that is rows, not sums.
+    """
+    ds = _as_dataset(results)
     cols = ["sequence_id", "config_id", "err2", "cert2", "query_position", "prompt_length"]
-    if results.empty or not {"design", "query_role"} <= set(results.columns):
-        return pd.DataFrame(columns=cols)
-    return results.read(cols, f"{certified_where()} AND \"design\" = 'poisson' AND "
-                        "\"query_role\" = 'decode'")
+    if ds.empty or not {"design", "query_role", *cols} <= set(ds.columns):
+        return
+    keys = ["sequence_id", "config_id"]
+    sql = (f"SELECT {', '.join(map(quote, cols))} FROM results WHERE {certified_where()} AND "
+           "\"design\" = 'poisson' AND \"query_role\" = 'decode' AND \"sequence_id\" IS NOT "
+           "NULL AND \"config_id\" IS NOT NULL ORDER BY \"sequence_id\", \"config_id\", __row")
+    rel = ds._connect().sql(sql)
+    reader = (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
+              else rel.fetch_record_batch(batch_rows))
+    carry: pd.DataFrame | None = None
+    for batch in reader:
+        frame = batch.to_pandas()
+        if carry is not None:
+            frame = pd.concat([carry, frame], ignore_index=True)
+        last = (frame["sequence_id"].iloc[-1], frame["config_id"].iloc[-1])
+        tail = (frame["sequence_id"] == last[0]) & (frame["config_id"] == last[1])
+        done, carry = frame[~tail], frame[tail]
+        for (sid, cfg), g in done.groupby(keys, sort=False):
+            yield sid, cfg, g
+    if carry is not None and len(carry):
+        yield carry["sequence_id"].iloc[0], carry["config_id"].iloc[0], carry
 
 
 def recompute_curves(results, logprobs: dict[str, np.ndarray] | None,
-                     budgets: tuple[float, ...], seed: int = 0) -> pd.DataFrame:
+                     budgets: tuple[float, ...], seed: int = 0,
+                     read_batch_rows: int = READ_BATCH_ROWS) -> pd.DataFrame:
     """Fraction of squared attention error recovered by recomputing a share of (step, head)
     units, per sequence and gate (certificate, random, confidence).
 
     Recomputing a unit restores the full-cache output for that decode step and head, so the
     recovered error is the err2 of the chosen units over the total. ``confidence`` recomputes
-    whole decode steps in order of the full-cache token log-prob (lowest first).
+    whole decode steps in order of the full-cache token log-prob (lowest first). The rows
+    come one cluster at a time (:func:`c7_clusters`, ``read_batch_rows`` a batch).
     """
-    df = c7_rows(results)
     rows = []
     rng = np.random.default_rng(seed)
-    for (sid, cfg), g in df.groupby(["sequence_id", "config_id"]):
+    for sid, cfg, g in c7_clusters(results, read_batch_rows):
         err = g["err2"].to_numpy()
         total = err.sum()
         if total <= 0:

@@ -270,3 +270,43 @@ def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float, claim_id: str = "C9
             "mse_ratio_geomean": float(np.exp(ratio.mean())), "mse_p": float(t.pvalue),
             "verdict": verdict, "primary": pick["primary"], "baseline": pick["baseline"],
             "coverage_by_attention_kind": by_kind}
+
+
+def c7_rows(results: pd.DataFrame) -> pd.DataFrame:
+    """The rows C7 schedules recomputation over (certified decode rows of the Poisson design),
+    in the table's order."""
+    df = _certified(results)
+    return df[(df["design"] == "poisson") & (df["query_role"] == "decode")]
+
+
+def recompute_curves(results, logprobs: dict[str, np.ndarray] | None,
+                     budgets: tuple[float, ...], seed: int = 0) -> pd.DataFrame:
+    """Fraction of squared attention error recovered by recomputing a share of (step, head)
+    units, per sequence and gate, as main computed it from all rows at once.
+
+    Recomputing a unit restores the full-cache output for that decode step and head, so the
+    recovered error is the err2 of the chosen units over the total. ``confidence`` recomputes
+    whole decode steps in order of the full-cache token log-prob (lowest first).
+    """
+    df = c7_rows(results)
+    rows = []
+    rng = np.random.default_rng(seed)
+    for (sid, cfg), g in df.groupby(["sequence_id", "config_id"]):
+        err = g["err2"].to_numpy()
+        total = err.sum()
+        if total <= 0:
+            continue
+        order = {"certificate": np.argsort(-g["cert2"].to_numpy(), kind="stable"),
+                 "random": rng.permutation(len(g))}
+        if logprobs is not None and sid in logprobs:
+            lp = logprobs[sid]
+            step = g["query_position"].to_numpy() - g["prompt_length"].to_numpy() + 1
+            conf = np.where((step >= 0) & (step < lp.size), lp[np.clip(step, 0, lp.size - 1)],
+                            0.0)
+            order["confidence"] = np.argsort(conf, kind="stable")
+        for r in budgets:
+            k = int(round(r * len(g)))
+            for gate, idx in order.items():
+                rows.append({"sequence_id": sid, "config_id": cfg, "budget": r, "gate": gate,
+                             "recovered": float(err[idx[:k]].sum() / total)})
+    return pd.DataFrame(rows)

@@ -98,9 +98,16 @@ def test_claims_from_duckdb_equal_the_pandas_computation(replayed):
     _same_claim(c5, o5)
     _same_claim(evaluate_c5(df, prereg), o5)  # an in-memory table through the same SQL
     assert c5.verdict != "not evaluated" and math.isfinite(c5.estimate)
-    curves = recompute_curves(df, token_logprobs(store), RECOMPUTE_BUDGETS)
+    curves = report_oracle.recompute_curves(df, token_logprobs(store), RECOMPUTE_BUDGETS)
     _same_claim(c7_claim(inputs), evaluate_c7(curves, prereg))
-    assert not inputs.artifacts["C7 curves"].empty
+    streamed = inputs.artifacts["C7 curves"]
+    assert not streamed.empty and streamed.shape == curves.shape
+    assert (streamed.drop(columns="recovered") == curves.drop(columns="recovered")).all().all()
+    assert np.allclose(streamed["recovered"], curves["recovered"], rtol=1e-9, atol=0)
+    # the same clusters handed over in batches of 7 rows: a cluster spans many batches
+    small = recompute_curves(ResultsDataset.from_frame(df), token_logprobs(store),
+                             RECOMPUTE_BUDGETS, read_batch_rows=7)
+    assert np.allclose(small["recovered"], curves["recovered"], rtol=1e-9, atol=0)
     _same_claim(c8_claim(inputs), evaluate_c8(df, prereg)[0])
     c9 = c9_claim(inputs)
     o9 = report_oracle.evaluate_c9(df, prereg.claims["C9"], prereg.claim_alpha("C9"))
