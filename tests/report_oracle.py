@@ -17,6 +17,7 @@ from tracesim.analysis.claims import (
     ClaimResult,
     eviction_rows,
 )
+from tracesim.analysis.claims_c8 import c8_rows
 from tracesim.analysis.claims_perstep import pick_configs
 from tracesim.analysis.claims_replay import (
     MASS_LABELS,
@@ -26,11 +27,20 @@ from tracesim.analysis.claims_replay import (
     _claim,
     tail_bins,
 )
-from tracesim.analysis.cluster import one_sided_bounds
+from tracesim.analysis.cluster import cluster_proportions, one_sided_bounds
 from tracesim.analysis.coverage import cluster_coverage
 from tracesim.analysis.equivalence import paired_tost
 from tracesim.analysis.plotting import png_bytes, pyplot
 from tracesim.analysis.report_figures import policy_labels
+from tracesim.analysis.validity import (
+    SplitSettings,
+    ValidityRule,
+    apply_rules,
+    as_text,
+    check_rules,
+    fit_rules,
+    split_sequences,
+)
 
 
 def evaluate_c1(results: pd.DataFrame, prereg) -> tuple[ClaimResult, dict[str, Any]]:
@@ -310,3 +320,75 @@ def recompute_curves(results, logprobs: dict[str, np.ndarray] | None,
                 rows.append({"sequence_id": sid, "config_id": cfg, "budget": r, "gate": gate,
                              "recovered": float(err[idx[:k]].sum() / total)})
     return pd.DataFrame(rows)
+
+
+def evaluate_c8(results: pd.DataFrame, prereg,
+                rules: dict[str, ValidityRule] | None = None
+                ) -> tuple[ClaimResult, dict[str, ValidityRule]]:
+    """C8 as main computed it from the rows (rules fitted on rows, held-out coverage from
+    :func:`cluster_proportions`); returns the claim and the rules used.
+
+    Raises
+    ------
+    ValidityRuleError
+        When a given rule was fitted on held-out sequences (or on another split).
+    """
+    claim = prereg.claims["C8"]
+    alpha = prereg.claim_alpha("C8")
+    res = ClaimResult("C8", claim["hypothesis"])
+    settings = SplitSettings.from_claim(claim)
+    df = c8_rows(eviction_rows(results), claim)  # per-step rows are C9's
+    has = df[settings.coverage_column].notna()
+    df = df if has.all() else df[has]
+    if df.empty:
+        res.detail = "no certified deployable rows of the compared configurations"
+        return res, {}
+    split = split_sequences(df["sequence_id"].unique(), settings.salt, settings.fraction)
+    held_ids = sorted(s for s, c in split.items() if not c)
+    notes: list[str] = []
+    if rules is None:
+        rules, notes = fit_rules(df, settings)
+    check_rules(rules, settings, held_ids)
+    held = df[as_text(df["sequence_id"]).isin(held_ids)]
+    if held.empty or not rules:
+        res.detail = (f"no held-out rows ({len(held_ids)} held-out of {len(split)} sequences) "
+                      f"or no fitted rule")
+        return res, rules
+    mask = apply_rules(held, rules)
+    frac = float(mask.mean())
+    lo, hi = (float(v) for v in claim["interval"])
+    res.extra = {"fraction_certified": frac, "heldout_sequences": len(held_ids),
+                 "calibration_sequences": len(split) - len(held_ids),
+                 "rules": {k: r.describe() for k, r in rules.items()},
+                 "rules_reaching_nominal": int(sum(r.reached for r in rules.values())),
+                 "n_rules": len(rules), "notes": notes}
+    if not mask.any():
+        res.detail = (f"the rules certify no held-out row ({len(held)} rows, "
+                      f"{len(held_ids)} sequences)")
+        return res, rules
+    y = held[settings.coverage_column].to_numpy(float)[mask]
+    seq = as_text(held["sequence_id"]).to_numpy()[mask]
+    ci = cluster_proportions(y, seq, alpha=alpha).iloc[0]
+    ci2 = cluster_proportions(y, seq, alpha=2 * alpha).iloc[0]
+    res.estimate, res.ci_low, res.ci_high = float(ci["estimate"]), float(ci["ci_low"]), float(
+        ci["ci_high"])
+    se = float(ci["se_logit"])
+    if np.isfinite(se) and se > 0:
+        b = np.log(res.estimate / (1 - res.estimate))
+        p_lo = stats.norm.sf((b - np.log(lo / (1 - lo))) / se)
+        p_hi = stats.norm.cdf((b - np.log(hi / (1 - hi))) / se)
+        res.pvalue = float(max(p_lo, p_hi))
+    inside = lo <= ci2["ci_low"] and ci2["ci_high"] <= hi
+    if inside and np.isfinite(res.pvalue) and res.pvalue < alpha:
+        res.verdict = SUPPORTED
+    elif res.ci_high < lo or res.ci_low > hi:
+        res.verdict = NOT_SUPPORTED
+    else:
+        res.verdict = INCONCLUSIVE
+    res.detail = (f"{settings.coverage_column} of the held-out rows the rules certify: "
+                  f"{int(ci['n_events'])} rows of {int(ci['n_clusters'])} held-out sequences; "
+                  f"fraction certified {frac:.3f} of {len(held)} held-out rows; "
+                  f"{res.extra['rules_reaching_nominal']}/{len(rules)} rules reached nominal "
+                  f"{settings.nominal} on the {res.extra['calibration_sequences']} calibration "
+                  f"sequences; TOST against [{lo}, {hi}]")
+    return res, rules

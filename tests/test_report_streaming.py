@@ -15,7 +15,7 @@ import pytest
 from tracesim.analysis import figures
 from tracesim.analysis.aggregate import ResultsDataset, coverage_from_sums
 from tracesim.analysis.claims import ClaimInputs
-from tracesim.analysis.claims_c8 import c8_claim, evaluate_c8
+from tracesim.analysis.claims_c8 import c8_claim, evaluate_c8, evaluate_c8_sums
 from tracesim.analysis.claims_gating import (
     RECOMPUTE_BUDGETS,
     c5_claim,
@@ -108,7 +108,9 @@ def test_claims_from_duckdb_equal_the_pandas_computation(replayed):
     small = recompute_curves(ResultsDataset.from_frame(df), token_logprobs(store),
                              RECOMPUTE_BUDGETS, read_batch_rows=7)
     assert np.allclose(small["recovered"], curves["recovered"], rtol=1e-9, atol=0)
-    _same_claim(c8_claim(inputs), evaluate_c8(df, prereg)[0])
+    o8, rules8 = report_oracle.evaluate_c8(df, prereg)
+    _same_claim(c8_claim(inputs), o8)
+    _same_claim(evaluate_c8(df, prereg)[0], o8)
     c9 = c9_claim(inputs)
     o9 = report_oracle.evaluate_c9(df, prereg.claims["C9"], prereg.claim_alpha("C9"))
     assert c9.verdict == o9["verdict"] and _close(c9.estimate, o9["coverage"])
@@ -175,3 +177,54 @@ def test_claims_stay_the_same_on_many_parts_under_a_low_memory_limit(replayed, t
     _same_claim(evaluate_c2_attention(ds, prereg),
                 report_oracle.evaluate_c2_attention(df, prereg))
     assert ds.query("SELECT current_setting('memory_limit') AS m")["m"][0].startswith("95")
+
+
+def _c8_table(n_seq: int = 40, rows_per: int = 60, seed: int = 5):
+    """Certified Poisson/Hajek rows of two configurations (and an oracle and a top-k one the
+    claim leaves out) over ``n_seq`` sequences: tail sizes, n_eff and largest weights on and
+    between the grid's thresholds, some missing, coverage events more likely where the tail
+    is large."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    n = n_seq * rows_per
+    m = rng.choice([0.5, 1, 2, 3, 4, 8, 9, 16, 31, 32, 64, 100, np.nan], n)
+    neff = rng.choice([0, 1.5, 2, 4, 7, 8, 16, 33, 64, np.inf, np.nan], n)
+    w = rng.choice([0.01, 0.05, 0.07, 0.1, 0.25, 0.3, 0.5, 1.0, np.nan], n)
+    p_cov = np.where(np.nan_to_num(m) >= 8, 0.96, 0.8)
+    return pd.DataFrame({
+        "sequence_id": np.repeat([f"q{i:03d}" for i in range(n_seq)], rows_per),
+        "config_id": rng.choice(["a|poisson", "b|poisson", "oracle", "c|topk"], n),
+        "score": rng.choice(["snapkv", "h2o"], n), "design": "poisson",
+        "correction": "hajek", "schedule": "oneshot",
+        "certified": rng.random(n) < 0.9, "cert2": rng.random(n),
+        "tail_size": m, "n_eff": neff, "max_tail_weight": w,
+        "wald_cov": np.where(rng.random(n) < 0.05, np.nan, (rng.random(n) < p_cov) * 1.0),
+    }).assign(score=lambda d: np.where(d["config_id"] == "oracle", "oracle", d["score"]),
+              design=lambda d: np.where(d["config_id"] == "c|topk", "topk", d["design"]))
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_c8_from_counts_equals_the_rule_fitted_on_rows(seed):
+    """C8's rule fit on per-(configuration, sequence, threshold bucket) counts picks the rule
+    the row-wise fit picks (thresholds on and between the grid, NaN and inf values), and the
+    held-out coverage and its interval from per-sequence counts equal the row computation;
+    with the rules given (a frontier's rule file), too."""
+    prereg = load_prereg(PREREG)
+    df = _c8_table(seed=seed)
+    ds = ResultsDataset.from_frame(df)
+    got, rules = evaluate_c8_sums(ds, prereg)
+    want, want_rules = report_oracle.evaluate_c8(df, prereg)
+    assert want.verdict != "not evaluated" and len(want_rules) == 2
+    assert rules == want_rules
+    _same_claim(got, want)
+    assert got.extra == want.extra
+    _same_claim(evaluate_c8(df, prereg)[0], want)
+    _same_claim(evaluate_c8_sums(ds, prereg, want_rules)[0],
+                report_oracle.evaluate_c8(df, prereg, want_rules)[0])
+    # a rule given off the grid (as a hand-edited file could hold) is applied as written
+    import dataclasses
+
+    off = {k: dataclasses.replace(r, min_tail=5.5, max_weight=0.2) for k, r in rules.items()}
+    _same_claim(evaluate_c8_sums(ds, prereg, off)[0],
+                report_oracle.evaluate_c8(df, prereg, off)[0])
