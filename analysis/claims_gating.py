@@ -68,7 +68,7 @@ def c5_sequence_means(results) -> list[pd.DataFrame]:
     if where is None:
         return []
     keys = ", ".join(map(quote, C5_UNIT))
-    con = ds._connect()
+    con = ds.connection()
     scores = ds.query(f"SELECT DISTINCT \"score\" FROM results WHERE {where} AND \"score\" IS "
                       "NOT NULL ORDER BY \"score\"")["score"].tolist()
     out: list[pd.DataFrame] = []
@@ -164,7 +164,7 @@ def c7_clusters(results, batch_rows: int = READ_BATCH_ROWS
     sql = (f"SELECT {', '.join(map(quote, cols))} FROM results WHERE {certified_where()} AND "
            "\"design\" = 'poisson' AND \"query_role\" = 'decode' AND \"sequence_id\" IS NOT "
            "NULL AND \"config_id\" IS NOT NULL ORDER BY \"sequence_id\", \"config_id\", __row")
-    rel = ds._connect().sql(sql)
+    rel = ds.connection().sql(sql)
     reader = (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
               else rel.fetch_record_batch(batch_rows))
     carry: pd.DataFrame | None = None

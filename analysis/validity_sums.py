@@ -149,7 +149,7 @@ def heldout_sums(ds, where: str, rules: dict[str, ValidityRule], held_ids: list[
     """Per (held-out sequence, certified by the rules): ``rows`` and ``sum_y``."""
     import pyarrow as pa
 
-    con = ds._connect()
+    con = ds.connection()
     con.register("c8_heldout", pa.table({"sequence_id": pa.array(held_ids, pa.string())}))
     try:
         return ds.query(
