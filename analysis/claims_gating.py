@@ -96,7 +96,7 @@ def c5_sequence_means(results) -> list[pd.DataFrame]:
                 continue
             # rank <= frac * units, as pandas compares the rank with that float
             k = math.floor((mid - lo) / (hi - lo) * n)
-            at = "SELECT {keys}, re{extra} FROM c5_units WHERE \"budget\" = {b!r}"
+            at = "SELECT {keys}, re{extra} FROM c5_units WHERE \"budget\" = CAST('{b!r}' AS DOUBLE)"
             means = ds.query(
                 f"SELECT \"sequence_id\", AVG(CASE WHEN rn <= {k} THEN h.re ELSE l.re END) AS "
                 f"gated, AVG(m.re) AS uniform FROM ("
