@@ -241,6 +241,12 @@ class ResultsDataset:
                f"WHERE {nonnull} " + (f"GROUP BY {keyed} ORDER BY {keyed}" if names else ""))
         return self.query(sql)
 
+    def connection(self):
+        """The DuckDB connection holding the view ``results`` (with ``__row``, the row's
+        position in the table), for rules that take several statements: temporary tables of
+        per-unit aggregates, window functions, batch-by-batch reads of sorted rows."""
+        return self._connect()
+
 
 def _shared_strings(col) -> np.ndarray:
     """An Arrow string array as an object array holding one ``str`` per distinct value (each

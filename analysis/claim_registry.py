@@ -19,14 +19,13 @@ import numpy as np
 from tracesim.analysis.claims import INPUT_MISSING, Claim, ClaimResult
 from tracesim.analysis.claims_c8 import c8_claim, check_c8
 from tracesim.analysis.claims_c12 import c12_claim
+from tracesim.analysis.claims_gating import c5_claim, c7_claim
 from tracesim.analysis.claims_outcomes import c3_claim, c4_claim, c6_claim
 from tracesim.analysis.claims_perstep import c9_claim, c10_claim, c11_claim
 from tracesim.analysis.claims_replay import (
     c0_claim,
     c1_claim,
     c2_claim,
-    c5_claim,
-    c7_claim,
     check_c1,
 )
 

@@ -1,5 +1,8 @@
 """Claim C8: on held-out sequences, rows the validity rule certifies cover within [0.93, 0.97].
 
+The report computes it from counts (:func:`evaluate_c8_sums`); :func:`evaluate_c8` is the same
+claim on rows held in memory.
+
 The rules are fitted on the pre-registered calibration split (:mod:`tracesim.analysis.validity`) or
 read
 from a rule file (``validity_rules.json`` written by ``tracesim frontier``), which is then
@@ -35,7 +38,6 @@ from tracesim.analysis.claims import (
     eviction_rows,
     eviction_where,
 )
-from tracesim.analysis.cluster import cluster_proportions
 from tracesim.analysis.validity import (
     SplitSettings,
     ValidityRule,
@@ -46,8 +48,10 @@ from tracesim.analysis.validity import (
     load_rules,
     split_sequences,
 )
+from tracesim.analysis.validity_sums import proportion_from_sums
 
-__all__ = ["RULES_FILE", "c8_claim", "c8_rows", "check_c8", "evaluate_c8"]
+__all__ = ["RULES_FILE", "c8_claim", "c8_rows", "c8_where", "check_c8", "evaluate_c8",
+           "evaluate_c8_sums"]
 
 #: The validity rules a ``tracesim frontier`` output directory holds.
 RULES_FILE = "validity_rules.json"
@@ -67,11 +71,9 @@ def c8_rows(results: pd.DataFrame, claim: dict[str, Any]) -> pd.DataFrame:
     return results if keep.all() else results[keep]
 
 
-def c8_read(results, claim: dict[str, Any]) -> pd.DataFrame:
-    """C8's rows from a :class:`~tracesim.analysis.aggregate.ResultsDataset`: the rule is
-    fitted and applied row by row (thresholds on each row's tail size, n_eff and largest
-    weight), so this is a filtered read of :func:`c8_rows`' rows of the eviction designs,
-    only the columns the rule, the split and the coverage event read."""
+def c8_where(results, claim: dict[str, Any]) -> str:
+    """SQL over a :class:`~tracesim.analysis.aggregate.ResultsDataset`: :func:`c8_rows`' rows
+    of the eviction designs that hold the coverage event."""
     from tracesim.analysis.aggregate import notna, sql_in
 
     settings = SplitSettings.from_claim(claim)
@@ -83,10 +85,57 @@ def c8_read(results, claim: dict[str, Any]) -> pd.DataFrame:
     if claim.get("deployable_only", True):
         where.append("COALESCE(CAST(\"deployable\" AS BOOLEAN), FALSE)"
                      if "deployable" in results else "\"score\" IS DISTINCT FROM 'oracle'")
-    return results.read(["sequence_id", "config_id", "certified", "cert2", "tail_size", "n_eff",
-                         "max_tail_weight", settings.coverage_column,
-                         "deployable" if "deployable" in results else "score"],
-                        " AND ".join(where))
+    return " AND ".join(where)
+
+
+def evaluate_c8_sums(results, prereg, rules: dict[str, ValidityRule] | None = None
+                     ) -> tuple[ClaimResult, dict[str, ValidityRule]]:
+    """:func:`evaluate_c8` on a :class:`~tracesim.analysis.aggregate.ResultsDataset` from
+    counts (:mod:`tracesim.analysis.validity_sums`): the rules are fitted on per
+    (configuration, sequence, threshold bucket) sums and the held-out coverage read from per
+    (sequence, certified) sums; the same estimate, interval, verdict and detail.
+
+    Raises
+    ------
+    ValidityRuleError
+        When a given rule was fitted on held-out sequences (or on another split).
+    """
+    from tracesim.analysis.validity_sums import (
+        bucket_sums,
+        fit_rules_from_sums,
+        heldout_sums,
+        proportion_from_sums,
+    )
+
+    claim = prereg.claims["C8"]
+    alpha = prereg.claim_alpha("C8")
+    res = ClaimResult("C8", claim["hypothesis"])
+    settings = SplitSettings.from_claim(claim)
+    need = {"sequence_id", "config_id", "certified", "cert2", "tail_size", "n_eff"}
+    where = c8_where(results, claim) if need <= set(results.columns) else "FALSE"
+    seqs = results.query(f"SELECT DISTINCT CAST(\"sequence_id\" AS VARCHAR) AS s FROM results "
+                         f"WHERE {where} AND \"sequence_id\" IS NOT NULL")["s"].tolist()
+    if not seqs:
+        res.detail = "no certified deployable rows of the compared configurations"
+        return res, {}
+    split = split_sequences(seqs, settings.salt, settings.fraction)
+    held_ids = sorted(s for s, c in split.items() if not c)
+    notes: list[str] = []
+    if rules is None:
+        rules, notes = fit_rules_from_sums(bucket_sums(results, where, settings), split,
+                                           settings, "max_tail_weight" in results)
+    check_rules(rules, settings, held_ids)
+    held = heldout_sums(results, where, rules, held_ids, settings.coverage_column)
+    n_held = int(held["rows"].sum())
+    if n_held == 0 or not rules:
+        res.detail = (f"no held-out rows ({len(held_ids)} held-out of {len(split)} sequences) "
+                      f"or no fitted rule")
+        return res, rules
+    ok = held[held["ok"].astype(bool)]
+    frac = float(ok["rows"].sum() / n_held)
+    return _c8_verdict(res, claim, settings, alpha, rules, notes, frac, n_held, held_ids,
+                       len(split), ok["rows"].to_numpy(float), ok["sum_y"].to_numpy(float),
+                       proportion_from_sums)
 
 
 def evaluate_c8(results: pd.DataFrame, prereg,
@@ -121,21 +170,32 @@ def evaluate_c8(results: pd.DataFrame, prereg,
                       f"or no fitted rule")
         return res, rules
     mask = apply_rules(held, rules)
-    frac = float(mask.mean())
+    y = held[settings.coverage_column].to_numpy(float)[mask]
+    seq = as_text(held["sequence_id"]).to_numpy()[mask]
+    per_seq = pd.DataFrame({"s": seq, "y": y}).groupby("s", sort=True)["y"].agg(["size", "sum"])
+    return _c8_verdict(res, claim, settings, alpha, rules, notes, float(mask.mean()),
+                       len(held), held_ids, len(split), per_seq["size"].to_numpy(float),
+                       per_seq["sum"].to_numpy(float), proportion_from_sums)
+
+
+def _c8_verdict(res: ClaimResult, claim: dict[str, Any], settings: SplitSettings, alpha: float,
+                rules: dict[str, ValidityRule], notes: list[str], frac: float, n_held: int,
+                held_ids: list[str], n_sequences: int, n_c: np.ndarray, s_c: np.ndarray,
+                proportion) -> tuple[ClaimResult, dict[str, ValidityRule]]:
+    """C8's TOST and detail from the held-out certified rows' per-sequence counts ``n_c`` and
+    event sums ``s_c`` (``frac``: the share of the ``n_held`` held-out rows certified)."""
     lo, hi = (float(v) for v in claim["interval"])
     res.extra = {"fraction_certified": frac, "heldout_sequences": len(held_ids),
-                 "calibration_sequences": len(split) - len(held_ids),
+                 "calibration_sequences": n_sequences - len(held_ids),
                  "rules": {k: r.describe() for k, r in rules.items()},
                  "rules_reaching_nominal": int(sum(r.reached for r in rules.values())),
                  "n_rules": len(rules), "notes": notes}
-    if not mask.any():
-        res.detail = (f"the rules certify no held-out row ({len(held)} rows, "
+    if n_c.sum() == 0:
+        res.detail = (f"the rules certify no held-out row ({n_held} rows, "
                       f"{len(held_ids)} sequences)")
         return res, rules
-    y = held[settings.coverage_column].to_numpy(float)[mask]
-    seq = as_text(held["sequence_id"]).to_numpy()[mask]
-    ci = cluster_proportions(y, seq, alpha=alpha).iloc[0]
-    ci2 = cluster_proportions(y, seq, alpha=2 * alpha).iloc[0]
+    ci = proportion(n_c, s_c, alpha)
+    ci2 = proportion(n_c, s_c, 2 * alpha)
     res.estimate, res.ci_low, res.ci_high = float(ci["estimate"]), float(ci["ci_low"]), float(
         ci["ci_high"])
     se = float(ci["se_logit"])
@@ -153,7 +213,7 @@ def evaluate_c8(results: pd.DataFrame, prereg,
         res.verdict = INCONCLUSIVE
     res.detail = (f"{settings.coverage_column} of the held-out rows the rules certify: "
                   f"{int(ci['n_events'])} rows of {int(ci['n_clusters'])} held-out sequences; "
-                  f"fraction certified {frac:.3f} of {len(held)} held-out rows; "
+                  f"fraction certified {frac:.3f} of {n_held} held-out rows; "
                   f"{res.extra['rules_reaching_nominal']}/{len(rules)} rules reached nominal "
                   f"{settings.nominal} on the {res.extra['calibration_sequences']} calibration "
                   f"sequences; TOST against [{lo}, {hi}]")
@@ -162,13 +222,13 @@ def evaluate_c8(results: pd.DataFrame, prereg,
 
 def c8_claim(inputs: ClaimInputs) -> ClaimResult:
     """C8 with the rules of ``inputs.frontier_dir`` when it holds any (checked: a rule fitted
-    on held-out sequences raises :class:`ValidityRuleError`), else rules fitted here."""
+    on held-out sequences raises :class:`ValidityRuleError`), else rules fitted here, from
+    counts (:func:`evaluate_c8_sums`)."""
     fdir: Path | None = inputs.frontier_dir
     rules = None
     if fdir is not None and (fdir / RULES_FILE).is_file():
         rules = load_rules(fdir / RULES_FILE)
-    c8, _ = evaluate_c8(c8_read(inputs.results, inputs.prereg.claims["C8"]), inputs.prereg,
-                        rules)
+    c8, _ = evaluate_c8_sums(inputs.results, inputs.prereg, rules)
     if rules is not None:
         c8.detail += f"; rules from {fdir.name}/{RULES_FILE}"
     return c8

@@ -15,10 +15,10 @@ import json
 import numpy as np
 import pandas as pd
 from tracesim.analysis.claims import ClaimInputs, ClaimResult
-from tracesim.analysis.cluster import one_sided_bounds
+from tracesim.analysis.cluster import one_sided_bounds, student_quantile
 
-__all__ = ["META_COLUMNS", "c9_claim", "c10_claim", "c11_claim", "evaluate_c9", "evaluate_c10",
-           "perstep_read", "pick_configs"]
+__all__ = ["META_COLUMNS", "c9_claim", "c9_from_sums", "c10_claim", "c11_claim", "evaluate_c9",
+           "evaluate_c10", "perstep_sums", "pick_configs"]
 
 
 def _matches(meta: pd.Series, want: dict) -> bool:
@@ -63,12 +63,13 @@ def pick_configs(df: pd.DataFrame, claim: dict, claim_id: str = "C9"
     return df, pick
 
 
-def perstep_read(results, claim: dict, claim_id: str) -> pd.DataFrame:
-    """The rows :func:`evaluate_c9` reads, from a
+def perstep_sums(results, claim: dict, claim_id: str) -> tuple[pd.DataFrame, pd.DataFrame,
+                                                                  dict[str, str]]:
+    """What :func:`c9_from_sums` needs, from a
     :class:`~tracesim.analysis.aggregate.ResultsDataset`: the configurations are picked on one
-    row per configuration (a group-by), then only the two picked configurations' rows are read
-    (filtered read, the columns the test reads). The test is paired per sequence on these
-    rows, so they are read, not summed."""
+    row per configuration (a group-by), then the two picked configurations' rows are summed per
+    (configuration, sequence), and the primary's coverage per attention kind: two DuckDB
+    group-bys whose results grow with sequences, never with rows."""
     from tracesim.analysis.aggregate import quote, sql_in
 
     model = (sql_in("model_id", [claim["model_id"]])
@@ -81,28 +82,75 @@ def perstep_read(results, claim: dict, claim_id: str) -> pd.DataFrame:
                                              for c in cols)
         + f" FROM results WHERE {model} GROUP BY \"config_id\"")
     _, pick = pick_configs(meta, claim, claim_id)
-    return results.read([*META_COLUMNS, "model_id", "sequence_id", "wald_cov", "err2",
-                         "attention_kind"],
-                        f"{model} AND " + sql_in("config_id", list(pick.values())))
+    values = [c for c in ("wald_cov", "err2") if c in results]
+    by_seq = results.sums(["config_id", "sequence_id"], values,
+                          f"{model} AND " + sql_in("config_id", list(pick.values())))
+    by_kind = (results.sums(["attention_kind"], ["wald_cov"], f"{model} AND "
+                            + sql_in("config_id", [pick["primary"]]))
+               if "attention_kind" in results and "wald_cov" in results else None)
+    return by_seq, by_kind, pick
+
+
+def _sums_of(df: pd.DataFrame, keys: list[str], values: list[str]) -> pd.DataFrame:
+    """:meth:`ResultsDataset.sums` of an in-memory table (pandas' group-by: null keys left out,
+    NaN values not counted)."""
+    g = df.groupby(keys, sort=True)
+    out = g.size().rename("rows").to_frame()
+    for c in values:
+        out["n_" + c] = g[c].count()
+        out["sum_" + c] = g[c].sum()
+    return out.reset_index()
+
+
+def _cluster_bounds(sums: pd.DataFrame, column: str, p: float) -> tuple[float, float, float]:
+    """:func:`tracesim.analysis.cluster.one_sided_bounds` from per-sequence sums: the mean,
+    and the cluster-robust standard error from each sequence's sum of residuals
+    ``sum_c - mean * n_c``."""
+    n = sums["n_" + column].to_numpy(float)
+    s = sums["sum_" + column].to_numpy(float)
+    keep = n > 0
+    n, s = n[keep], s[keep]
+    if n.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    m = s.sum() / n.sum()
+    k = n.size
+    if k < 2:
+        return float(m), float("nan"), float("nan")
+    se = np.sqrt(k / (k - 1) * ((s - m * n) ** 2).sum()) / n.sum()
+    half = student_quantile(p, k) * se
+    return float(m), float(m - half), float(m + half)
 
 
 def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float, claim_id: str = "C9") -> dict:
-    """C9 on held-out results: coverage CI against the interval, paired MSE test vs top-k.
+    """C9 on held-out results held in memory (the per-step study's command, tests): the rows
+    summed per (configuration, sequence) with pandas, then :func:`c9_from_sums`.
 
     C11 is the same rule on another model's held-out sequences: ``claim_id`` names the claim in
     messages, and a ``model_id`` field of the entry keeps only that model's rows.
     """
+    df, pick = pick_configs(df, claim, claim_id)
+    rows = df[df["config_id"].isin(list(pick.values()))]
+    by_seq = _sums_of(rows, ["config_id", "sequence_id"], ["wald_cov", "err2"])
+    by_kind = (_sums_of(rows[rows["config_id"] == pick["primary"]], ["attention_kind"],
+                        ["wald_cov"]) if "attention_kind" in rows else None)
+    return c9_from_sums(by_seq, by_kind, pick, claim, alpha, claim_id)
+
+
+def c9_from_sums(by_seq: pd.DataFrame, by_kind: pd.DataFrame | None, pick: dict[str, str],
+                 claim: dict, alpha: float, claim_id: str = "C9") -> dict:
+    """C9 from per-(configuration, sequence) sums of ``wald_cov`` and ``err2`` (columns
+    ``rows``, ``n_<c>``, ``sum_<c>``): coverage CI against the interval (cluster-robust by
+    sequence), paired MSE test vs top-k on the per-sequence mean errors."""
     from scipy import stats
 
-    df, pick = pick_configs(df, claim, claim_id)
-    p = df[df.config_id == pick["primary"]]
-    b = df[df.config_id == pick["baseline"]]
+    p = by_seq[by_seq["config_id"] == pick["primary"]].set_index("sequence_id")
+    b = by_seq[by_seq["config_id"] == pick["baseline"]].set_index("sequence_id")
     lo_iv, hi_iv = claim["interval"]
     # (1 - 2 alpha) two-sided = alpha one-sided on each side
-    cov, lo2, hi2 = one_sided_bounds(p["wald_cov"], p["sequence_id"], 1 - alpha)
-    _, lo1, hi1 = one_sided_bounds(p["wald_cov"], p["sequence_id"], 1 - alpha / 2)
-    mp = p.groupby("sequence_id")["err2"].mean()
-    mb = b.groupby("sequence_id")["err2"].mean()
+    cov, lo2, hi2 = _cluster_bounds(p, "wald_cov", 1 - alpha)
+    _, lo1, hi1 = _cluster_bounds(p, "wald_cov", 1 - alpha / 2)
+    mp = (p["sum_err2"] / p["n_err2"]).where(p["n_err2"] > 0)
+    mb = (b["sum_err2"] / b["n_err2"]).where(b["n_err2"] > 0)
     if set(mp.index) != set(mb.index):
         raise ValueError(f"{claim_id}: the primary and baseline configurations cover different "
                          f"sequences ({len(mp)} and {len(mb)}), expected the same for the "
@@ -122,15 +170,16 @@ def evaluate_c9(df: pd.DataFrame, claim: dict, alpha: float, claim_id: str = "C9
         verdict = "not supported"
     else:
         verdict = "inconclusive"
-    by_kind = {}
-    if "attention_kind" in p:
-        for kind, g in p.groupby("attention_kind"):
-            by_kind[str(kind)] = float(g["wald_cov"].mean())
+    by_kind_cov = {}
+    if by_kind is not None:
+        for kind, n, s in by_kind[["attention_kind", "n_wald_cov", "sum_wald_cov"]].itertuples(
+                index=False):
+            by_kind_cov[str(kind)] = float(s / n) if n > 0 else float("nan")
     return {"claim": claim_id, "coverage": cov, "ci_90": (lo2, hi2), "ci_95": (lo1, hi1),
-            "sequences": int(p.sequence_id.nunique()), "rows": len(p),
+            "sequences": len(p), "rows": int(p["rows"].sum()),
             "mse_ratio_geomean": float(np.exp(ratio.mean())), "mse_p": float(t.pvalue),
             "verdict": verdict, "primary": pick["primary"], "baseline": pick["baseline"],
-            "coverage_by_attention_kind": by_kind}
+            "coverage_by_attention_kind": by_kind_cov}
 
 
 def _vattention_label(want: dict) -> str:
@@ -185,8 +234,8 @@ def _perstep_claim(inputs: ClaimInputs, claim_id: str) -> ClaimResult:
             "LIMIT 1)")["n"].iloc[0] == 0:
         return ClaimResult(claim_id, claim["hypothesis"], detail="no per-step results given")
     try:
-        df = perstep_read(ds, claim, claim_id)
-        r = evaluate_c9(df, claim, prereg.claim_alpha(claim_id), claim_id)
+        by_seq, by_kind, pick = perstep_sums(ds, claim, claim_id)
+        r = c9_from_sums(by_seq, by_kind, pick, claim, prereg.claim_alpha(claim_id), claim_id)
     except ValueError as exc:
         return ClaimResult(claim_id, claim["hypothesis"], detail=str(exc))
     kinds = "".join(f"; {kind} layers cover {cov:.3g}"

@@ -1,9 +1,9 @@
-"""Claims evaluated from the offline simulator: C0 (adversary), C1 (coverage), C2 (attention
-error), C5 (certificate-gated escalation) and C7 (recomputation scheduling).
+"""Claims evaluated from the offline simulator: C0 (adversary), C1 (coverage) and C2 (attention
+error); C5 and C7 are in :mod:`tracesim.analysis.claims_gating`.
 
 Inputs are the replay results table (``tracesim replay`` / ``tracesim sweep``; columns in
 ``docs/replay.md``) as a pandas DataFrame, aggregated over seeds, and the pre-registration.
-C1, C2 and C5 read the eviction designs only (schedules ``oneshot`` and ``decode``): the per-step
+C1 and C2 read the eviction designs only (schedules ``oneshot`` and ``decode``): the per-step
 designs (schedule ``step``) are C9's. The ``c*_claim`` functions are the claims table's entries
 (:mod:`tracesim.analysis.claim_registry`): they take the report's
 :class:`tracesim.analysis.claims.ClaimInputs`.
@@ -11,7 +11,6 @@ designs (schedule ``step``) are C9's. The ``c*_claim`` functions are the claims 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,6 @@ from tracesim.analysis.aggregate import quote, sql_in
 from tracesim.analysis.claims import (
     CERTIFICATES,
     INCONCLUSIVE,
-    NOT_EVALUATED,
     NOT_SUPPORTED,
     SUPPORTED,
     ClaimInputs,
@@ -34,14 +32,11 @@ from tracesim.analysis.claims import (
 from tracesim.analysis.claims_outcomes import evaluate_c2_accuracy
 from tracesim.analysis.equivalence import paired_tost
 
-__all__ = ["c0_claim", "c1_claim", "c2_claim", "c5_claim", "c7_claim", "check_c1",
-           "eviction_rows", "evaluate_c0", "evaluate_c1", "evaluate_c2_attention", "evaluate_c5",
-           "evaluate_c7", "recompute_curves", "tail_bins", "token_logprobs"]
+__all__ = ["c0_claim", "c1_claim", "c2_claim", "check_c1", "eviction_rows", "evaluate_c0",
+           "evaluate_c1", "evaluate_c2_attention", "tail_bins"]
 
 #: Primary coverage events C1 may pre-register (``primary_event:``).
 C1_EVENTS = ("wald", "satterthwaite")
-#: Recompute budgets of C7's curves (shares of (decode step, head) units).
-RECOMPUTE_BUDGETS = (0.05, 0.1, 0.2)
 
 
 def _claim(prereg, cid: str) -> tuple[dict[str, Any], float]:
@@ -205,172 +200,6 @@ def evaluate_c2_attention(results, prereg) -> ClaimResult:
     return res
 
 
-def evaluate_c5(results: pd.DataFrame, prereg) -> ClaimResult:
-    """Certificate-gated escalation vs the uniform budget at matched mean memory.
-
-    For base budget b and escalated budget b'' > b' > b from the grid, escalate the units
-    (sequence, layer, head, query) with the largest certificates at b until the mean budget is
-    b', and compare their error with the uniform budget b' (paired TOST by sequence).
-    """
-    claim, alpha = _claim(prereg, "C5")
-    res = ClaimResult("C5", claim["hypothesis"])
-    unit = ["sequence_id", "layer", "head", "query_position", "score"]
-    df = c5_rows(results, unit)
-    diffs: list[pd.Series] = []
-    for score, sdf in df.groupby("score"):
-        budgets = sorted(sdf["budget"].unique())
-        for lo, mid, hi in zip(budgets, budgets[1:], budgets[2:], strict=False):
-            piv = sdf.pivot_table(index=unit, columns="budget", values=["rel_err", "cert2"])
-            piv = piv.dropna()
-            if piv.empty:
-                continue
-            frac = (mid - lo) / (hi - lo)
-            cert = piv[("cert2", lo)]
-            gated_units = cert.rank(ascending=False, method="first") <= frac * len(cert)
-            gated = np.where(gated_units, piv[("rel_err", hi)], piv[("rel_err", lo)])
-            frame = pd.DataFrame({"gated": gated, "uniform": piv[("rel_err", mid)].to_numpy(),
-                                  "sequence_id": piv.index.get_level_values(0)})
-            diffs.append(frame.groupby("sequence_id")[["gated", "uniform"]].mean().assign(
-                score=score, budget=mid))
-    if not diffs:
-        res.detail = ("needs certified poisson rows at three or more fraction budgets "
-                      "(uniform allocator)")
-        return res
-    both = pd.concat(diffs).groupby(level=0)[["gated", "uniform"]].mean()  # per sequence
-    if len(both) < 2:
-        res.detail = "too few (sequence, budget) pairs"
-        return res
-    margin = float(claim["margin"])
-    test = paired_tost(both["gated"].to_numpy(), both["uniform"].to_numpy(), margin,
-                       alpha=alpha)
-    res.estimate, res.ci_low, res.ci_high, res.pvalue = (test.mean_difference, test.ci_low,
-                                                         test.ci_high, test.pvalue)
-    if test.supported:
-        res.verdict = SUPPORTED
-    elif test.ci_high < -margin:
-        res.verdict = NOT_SUPPORTED  # gating is better beyond the margin: it adds something
-    else:
-        res.verdict = INCONCLUSIVE
-    res.detail = (f"rel. error, gated - uniform at matched mean budget, averaged per sequence "
-                  f"over scores and budgets, {len(both)} sequences, margin ±{margin}")
-    return res
-
-
-def c5_rows(results, unit: list[str]) -> pd.DataFrame:
-    """The rows C5 escalates over: certified eviction rows of the uniform Poisson design at
-    fraction budgets, only the unit, budget, error and certificate columns. Its rule ranks
-    units by their certificate, so it needs rows: a filtered read
-    (:meth:`~tracesim.analysis.aggregate.ResultsDataset.read`) of those rows only."""
-    if isinstance(results, pd.DataFrame):
-        df = _certified(eviction_rows(results))
-        return df[(df["design"] == "poisson") & (df["budget_unit"] == "fraction")
-                  & (df["allocator"] == "uniform")]
-    if results.empty or not {"design", "budget_unit", "allocator"} <= set(results.columns):
-        return pd.DataFrame(columns=[*unit, "budget", "rel_err", "cert2"])
-    return results.read([*unit, "budget", "rel_err", "cert2"], (
-        f"{eviction_where(results)} AND {certified_where()} AND \"design\" = 'poisson' AND "
-        "\"budget_unit\" = 'fraction' AND \"allocator\" = 'uniform'"))
-
-
-def c7_rows(results) -> pd.DataFrame:
-    """The rows C7 schedules recomputation over (certified decode rows of the Poisson design),
-    in the table's order (its random gate draws per group in that order): a filtered read of
-    six columns."""
-    if isinstance(results, pd.DataFrame):
-        df = _certified(results)
-        return df[(df["design"] == "poisson") & (df["query_role"] == "decode")]
-    cols = ["sequence_id", "config_id", "err2", "cert2", "query_position", "prompt_length"]
-    if results.empty or not {"design", "query_role"} <= set(results.columns):
-        return pd.DataFrame(columns=cols)
-    return results.read(cols, f"{certified_where()} AND \"design\" = 'poisson' AND "
-                        "\"query_role\" = 'decode'")
-
-
-def recompute_curves(results, logprobs: dict[str, np.ndarray] | None,
-                     budgets: tuple[float, ...], seed: int = 0) -> pd.DataFrame:
-    """Fraction of squared attention error recovered by recomputing a share of (step, head)
-    units, per sequence and gate (certificate, random, confidence).
-
-    Recomputing a unit restores the full-cache output for that decode step and head, so the
-    recovered error is the err2 of the chosen units over the total. ``confidence`` recomputes
-    whole decode steps in order of the full-cache token log-prob (lowest first).
-    """
-    df = c7_rows(results)
-    rows = []
-    rng = np.random.default_rng(seed)
-    for (sid, cfg), g in df.groupby(["sequence_id", "config_id"]):
-        err = g["err2"].to_numpy()
-        total = err.sum()
-        if total <= 0:
-            continue
-        order = {"certificate": np.argsort(-g["cert2"].to_numpy(), kind="stable"),
-                 "random": rng.permutation(len(g))}
-        if logprobs is not None and sid in logprobs:
-            lp = logprobs[sid]
-            step = g["query_position"].to_numpy() - g["prompt_length"].to_numpy() + 1
-            conf = np.where((step >= 0) & (step < lp.size), lp[np.clip(step, 0, lp.size - 1)],
-                            0.0)
-            order["confidence"] = np.argsort(conf, kind="stable")
-        for r in budgets:
-            k = int(round(r * len(g)))
-            for gate, idx in order.items():
-                rows.append({"sequence_id": sid, "config_id": cfg, "budget": r, "gate": gate,
-                             "recovered": float(err[idx[:k]].sum() / total)})
-    return pd.DataFrame(rows)
-
-
-def evaluate_c7(curves: pd.DataFrame, prereg) -> ClaimResult:
-    """Certificate gating vs random and confidence gating at equal recompute budget."""
-    claim, alpha = _claim(prereg, "C7")
-    res = ClaimResult("C7", claim["hypothesis"])
-    if curves.empty:
-        res.detail = "no certified decode rows to schedule recomputation over"
-        return res
-    piv = curves.pivot_table(index=["sequence_id", "config_id", "budget"], columns="gate",
-                             values="recovered")
-    others = [c for c in ("random", "confidence") if c in piv]
-    pvals, diffs = [], {}
-    for other in others:
-        # Average within each sequence first: its configs and budgets share the same tokens, so
-        # the independent units are the sequences.
-        d = (piv["certificate"] - piv[other]).dropna().groupby(level="sequence_id").mean()
-        if len(d) < 2 or d.std(ddof=1) == 0:
-            pvals.append(0.0 if len(d) and d.mean() > 0 else 1.0)
-            diffs[other] = float(d.mean()) if len(d) else np.nan
-            continue
-        t = d.mean() / (d.std(ddof=1) / np.sqrt(len(d)))
-        pvals.append(float(stats.t.sf(t, len(d) - 1)))
-        diffs[other] = float(d.mean())
-    # Intersection-union: certificate must beat every alternative.
-    res.pvalue = max(pvals) if pvals else np.nan
-    worst = min(diffs, key=lambda k: diffs[k]) if diffs else None
-    res.estimate = diffs[worst] if worst else np.nan
-    if res.pvalue < alpha:
-        res.verdict = SUPPORTED
-    elif any(v < 0 for v in diffs.values()) and len(piv) > 1:
-        res.verdict = NOT_SUPPORTED if min(diffs.values()) < -0.05 else INCONCLUSIVE
-    else:
-        res.verdict = INCONCLUSIVE
-    if not others:
-        res.verdict = NOT_EVALUATED
-    res.detail = ("recovered-error fraction, certificate minus " + ", ".join(
-        f"{k} ({v:+.3f})" for k, v in diffs.items()) + f"; one-sided paired t-tests over "
-        f"{piv.index.get_level_values('sequence_id').nunique()} sequences (each the mean over "
-        f"its configs and budgets); gates compared: {['certificate'] + others}")
-    res.extra = {"differences": diffs}
-    return res
-
-
-def token_logprobs(traces_dir: str | Path) -> dict[str, np.ndarray]:
-    """Generated-token log-probs per sequence id, from a trace store's manifest (for C7's
-    confidence gate)."""
-    from tracesim.store import open_store
-
-    store = open_store(traces_dir)
-    m = store.manifest.select(["sequence_id", "generated_logprobs"]).to_pylist()
-    return {r["sequence_id"]: np.asarray(r["generated_logprobs"], dtype=float) for r in m}
-
-
 def check_c1(claim: dict[str, Any], fail: Fail) -> None:
     """C1's own pre-registration fields: the primary event, the certificate and the nominal."""
     if claim.get("primary_event") not in C1_EVENTS:
@@ -409,16 +238,3 @@ def c2_claim(inputs: ClaimInputs) -> ClaimResult:
                            f"{extra['accuracy_pairs']} pairs, TOST p = "
                            f"{extra['accuracy_tost_p']:.3g}")
     return res
-
-
-def c5_claim(inputs: ClaimInputs) -> ClaimResult:
-    """C5 from the replay results."""
-    return evaluate_c5(inputs.results, inputs.prereg)
-
-
-def c7_claim(inputs: ClaimInputs) -> ClaimResult:
-    """C7; leaves its recovered-error curves as ``artifacts["C7 curves"]``."""
-    logprobs = token_logprobs(inputs.traces_dir) if inputs.traces_dir else None
-    curves = recompute_curves(inputs.results, logprobs, RECOMPUTE_BUDGETS)
-    inputs.artifacts["C7 curves"] = curves
-    return evaluate_c7(curves, inputs.prereg)
