@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from tracesim.analysis.claims_perstep import evaluate_c9, evaluate_c10, perstep_read
+from tracesim.analysis.claims_perstep import c9_from_sums, evaluate_c9, evaluate_c10, perstep_sums
 from tracesim.analysis.cluster import cluster_mean, student_quantile
 from tracesim.analysis.perstep_costs import cost_columns
 from tracesim.analysis.prereg import load_prereg
@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             errors = {}
             for cid in ("C9", "C11"):
                 try:
-                    claims.append(evaluate_c9(perstep_read(ds, pre.claims[cid], cid),
-                                              pre.claims[cid], pre.claim_alpha(cid), cid))
+                    by_seq, by_kind, pick = perstep_sums(ds, pre.claims[cid], cid)
+                    claims.append(c9_from_sums(by_seq, by_kind, pick, pre.claims[cid],
+                                               pre.claim_alpha(cid), cid))
                 except ValueError as exc:
                     errors[cid] = str(exc)
             if len(errors) == 2:

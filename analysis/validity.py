@@ -206,17 +206,30 @@ def fit_rule(df: pd.DataFrame, settings: SplitSettings, config_id: str = "*") ->
     y = cal[settings.coverage_column].to_numpy(float)
     _, seq = np.unique(as_text(cal["sequence_id"]).to_numpy(), return_inverse=True)
     weights = settings.grid["max_weight"] if has_w else [None]
+
+    def candidates():
+        for mt, ne, mw in itertools.product(settings.grid["min_tail"],
+                                            settings.grid["min_neff"], weights):
+            ok = (m >= mt) & (neff >= ne)
+            if mw is not None:
+                ok &= w <= mw
+            k = int(ok.sum())
+            frac = k / y.size
+            if frac < settings.min_certified or k == 0 or np.unique(seq[ok]).size < 2:
+                continue
+            yield mt, ne, mw, float(y[ok].mean()), frac
+
+    return choose_rule(candidates(), config_id, settings, calib_ids, int(y.size))
+
+
+def choose_rule(candidates, config_id: str, settings: SplitSettings, calib_ids: list[str],
+                n_rows: int) -> ValidityRule:
+    """The rule among ``candidates`` — ``(min_tail, min_neff, max_weight, coverage,
+    certified share)`` of every grid point that certifies enough rows of two or more
+    calibration sequences, in grid order — that reaches the nominal coverage with the largest
+    certified share (then the higher coverage); if none reaches it, the highest coverage."""
     best, best_key = None, None
-    for mt, ne, mw in itertools.product(settings.grid["min_tail"], settings.grid["min_neff"],
-                                        weights):
-        ok = (m >= mt) & (neff >= ne)
-        if mw is not None:
-            ok &= w <= mw
-        k = int(ok.sum())
-        frac = k / y.size
-        if frac < settings.min_certified or k == 0 or np.unique(seq[ok]).size < 2:
-            continue
-        cov = float(y[ok].mean())
+    for mt, ne, mw, cov, frac in candidates:
         reached = cov >= settings.nominal
         key = (reached, frac, cov) if reached else (reached, cov, frac)
         if best_key is None or key > best_key:
@@ -231,7 +244,7 @@ def fit_rule(df: pd.DataFrame, settings: SplitSettings, config_id: str = "*") ->
                         calibration_hash=ids_hash(calib_ids),
                         coverage_column=settings.coverage_column, nominal=settings.nominal,
                         calibration_coverage=cov, calibration_certified=frac,
-                        calibration_rows=int(y.size), reached=bool(best_key[0]))
+                        calibration_rows=n_rows, reached=bool(best_key[0]))
 
 
 def fit_rules(df: pd.DataFrame, settings: SplitSettings) -> tuple[dict[str, ValidityRule],

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 from tracesim.analysis.aggregate import notna, quote
-from tracesim.analysis.validity import SplitSettings, ValidityRule, ids_hash
+from tracesim.analysis.validity import SplitSettings, ValidityRule, choose_rule
 
 __all__ = ["bucket_sums", "fit_rules_from_sums", "heldout_sums", "proportion_from_sums"]
 
@@ -76,32 +76,20 @@ def _fit_one(cal: pd.DataFrame, settings: SplitSettings, config_id: str,
     sum_y = cal["sum_y"].to_numpy(float)
     seq = pd.factorize(cal["sequence_id"])[0]
     weights = grid["max_weight"] if has_w else [None]
-    best, best_key = None, None
-    for mt, ne, mw in itertools.product(grid["min_tail"], grid["min_neff"], weights):
-        # a bucket reaches threshold t when it counts more thresholds than those below t
-        ok = (tb > tails.index(float(mt))) & (nb > neffs.index(float(ne)))
-        if mw is not None:
-            ok &= wb >= len(caps) - caps.index(float(mw))
-        k = int(rows[ok].sum())
-        frac = k / total
-        if frac < settings.min_certified or k == 0 or np.unique(seq[ok]).size < 2:
-            continue
-        cov = float(sum_y[ok].sum() / k)
-        reached = cov >= settings.nominal
-        key = (reached, frac, cov) if reached else (reached, cov, frac)
-        if best_key is None or key > best_key:
-            best_key, best = key, (mt, ne, mw, cov, frac)
-    if best is None:
-        raise ValueError(f"{config_id}: no candidate rule certifies rows of two or more "
-                         f"calibration sequences")
-    mt, ne, mw, cov, frac = best
-    return ValidityRule(config_id=config_id, min_tail=float(mt), min_neff=float(ne),
-                        max_weight=None if mw is None else float(mw), salt=settings.salt,
-                        fraction=settings.fraction, calibration_ids=tuple(calib_ids),
-                        calibration_hash=ids_hash(calib_ids),
-                        coverage_column=settings.coverage_column, nominal=settings.nominal,
-                        calibration_coverage=cov, calibration_certified=frac,
-                        calibration_rows=total, reached=bool(best_key[0]))
+
+    def candidates():
+        for mt, ne, mw in itertools.product(grid["min_tail"], grid["min_neff"], weights):
+            # a bucket reaches threshold t when it counts more thresholds than those below t
+            ok = (tb > tails.index(float(mt))) & (nb > neffs.index(float(ne)))
+            if mw is not None:
+                ok &= wb >= len(caps) - caps.index(float(mw))
+            k = int(rows[ok].sum())
+            frac = k / total
+            if frac < settings.min_certified or k == 0 or np.unique(seq[ok]).size < 2:
+                continue
+            yield mt, ne, mw, float(sum_y[ok].sum() / k), frac
+
+    return choose_rule(candidates(), config_id, settings, calib_ids, total)
 
 
 def fit_rules_from_sums(sums: pd.DataFrame, split: dict[str, bool], settings: SplitSettings,

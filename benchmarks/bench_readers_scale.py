@@ -36,17 +36,15 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_report_scale import _hwm_kb, _tree, scale  # noqa: E402
+from bench_report_scale import run_tree, scale  # noqa: E402
 
 READERS = ("report", "report-dask", "frontier", "export", "perstep")
 
@@ -67,24 +65,6 @@ def reader_command(reader: str, results: Path, out: Path,
         return [sys.executable, "-m", "tracesim.analysis.perstep", str(results),
                 *(["--by", perstep_by] if perstep_by else [])]
     raise ValueError(f"reader {reader!r}: expected one of {READERS}")
-
-
-def run_tree(cmd: list[str], log: Path) -> dict:
-    """Run ``cmd``; its exit code, seconds and the peak VmHWM of its process tree."""
-    t0 = time.perf_counter()
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=fh)
-    peaks: dict[int, int] = {}
-    while proc.poll() is None:
-        for pid in _tree(proc.pid):
-            kb = _hwm_kb(pid)
-            if kb is not None:
-                peaks[pid] = max(peaks.get(pid, 0), kb)
-        time.sleep(0.2)
-    err = log.read_text()
-    return {"rc": proc.returncode, "seconds": round(time.perf_counter() - t0, 2),
-            "peak_mb": round(sum(peaks.values()) / 1024, 1), "processes": len(peaks),
-            "stderr_tail": err.strip().splitlines()[-1:] if proc.returncode else []}
 
 
 def main() -> None:

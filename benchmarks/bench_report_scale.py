@@ -134,10 +134,9 @@ def _hwm_kb(pid: int) -> int | None:
     return None
 
 
-def run_report(results: Path, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "tracesim.app.cli", "report", str(results), "--out", str(out)]
+def run_tree(cmd: list[str], log: Path) -> dict:
+    """Run ``cmd``; its exit code, seconds and the peak VmHWM of its process tree."""
     t0 = time.perf_counter()
-    log = out.with_name(out.name + ".stderr")
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=fh)
     peaks: dict[int, int] = {}
@@ -151,6 +150,11 @@ def run_report(results: Path, out: Path) -> dict:
     return {"rc": proc.returncode, "seconds": round(time.perf_counter() - t0, 2),
             "peak_mb": round(sum(peaks.values()) / 1024, 1), "processes": len(peaks),
             "stderr_tail": err.strip().splitlines()[-1:] if proc.returncode else []}
+
+
+def run_report(results: Path, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "tracesim.app.cli", "report", str(results), "--out", str(out)]
+    return run_tree(cmd, out.with_name(out.name + ".stderr"))
 
 
 def main() -> None:
