@@ -71,6 +71,19 @@ def test_dask_synchronous_sums_equal_duckdb(sweep, query):
         assert len(duck) > 1 and (duck["rows"] > 0).all()
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment(monkeypatch):
+    """distributed's Nanny writes its pre-spawn variables (OMP_NUM_THREADS=1, ...) into this
+    process's environment and leaves them there; later tests' subprocesses would inherit them
+    (a capture child on one torch thread against an in-process run on two)."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def test_dask_processes_and_a_local_cluster_equal_duckdb(sweep):
     from distributed import LocalCluster
 

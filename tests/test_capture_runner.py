@@ -152,7 +152,12 @@ def test_cli_killed_mid_run_resumes_to_same_store(tmp_path, tiny_dir):
             "--length", str(LENGTH), "--dtype", "float32", "--window", "8",
             "--max-new-tokens", "4", "--quiet"]
     cut = tmp_path / "cut"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    # the child runs on as many torch threads as this process (the stores are compared byte for
+    # byte), whatever an earlier test left in the environment
+    import torch
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               OMP_NUM_THREADS=str(torch.get_num_threads()))
     proc = subprocess.Popen([sys.executable, "-m", "tracesim.app.cli", *argv, "--out", str(cut)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
