@@ -75,3 +75,19 @@ grid:
 seeds: 3
 output: out
 """
+
+#: A two-score, two-design, two-budget, two-seed sweep over a ``store`` beside the spec: the
+#: small results dataset the results readers' tests (DuckDB, Dask) are run on.
+MINI_SPEC = """\
+name: mini
+store: store
+layers: all
+grid:
+  score: [snapkv, random]
+  design: [topk, poisson]
+  budget: [0.3, 0.6]
+  score_params:
+    "*": {window: 6}
+seeds: 2
+output: out
+"""

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from tracesim.analysis.aggregate import open_results
 
-from tests.sweep_fixtures import build_sweep_store
+from tests.sweep_fixtures import MINI_SPEC, build_sweep_store
 from tracesim.app.cli import main as cli_main
 from tracesim.sweep import run_sweep
 
@@ -20,19 +20,7 @@ pytest.importorskip("dask.dataframe")  # the cluster extra
 pytest.importorskip("distributed")
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = """\
-name: mini
-store: store
-layers: all
-grid:
-  score: [snapkv, random]
-  design: [topk, poisson]
-  budget: [0.3, 0.6]
-  score_params:
-    "*": {window: 6}
-seeds: 2
-output: out
-"""
+SPEC = MINI_SPEC
 #: (keys, values, where, squares) as the claims and figures ask them: plain keys, SQL CASE
 #: keys, a filter, no keys at all, and a filter no row passes.
 QUERIES = [

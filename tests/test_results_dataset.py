@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from tracesim.analysis.results_io import REPORT_COLUMNS, load_results
 
-from tests.sweep_fixtures import build_sweep_store
+from tests.sweep_fixtures import MINI_SPEC, build_sweep_store
 from tracesim.app.cli import main as cli_main
 from tracesim.digests import sha256_file
 from tracesim.errors import UsageError
@@ -24,19 +24,7 @@ from tracesim.integrity import results_record
 from tracesim.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = """\
-name: mini
-store: store
-layers: all
-grid:
-  score: [snapkv, random]
-  design: [topk, poisson]
-  budget: [0.3, 0.6]
-  score_params:
-    "*": {window: 6}
-seeds: 2
-output: out
-"""
+SPEC = MINI_SPEC
 
 
 @pytest.fixture(scope="module")
