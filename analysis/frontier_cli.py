@@ -40,21 +40,11 @@ __all__ = ["FILES", "load_frontier_results", "pareto_figure", "perstep_costs_mar
 
 FILES = ("frontier.parquet", "frontier.md", "frontier.png", "validity_rules.json")
 _DEFAULT_PREREG = Path(__file__).resolve().parents[1] / "data" / "prereg.yaml"
-_RESULT_FILES = ("results/manifest.json", "manifest.json", "results/results.parquet",
-                 "results.parquet", "replay.parquet")
-
-
 def load_frontier_results(path: str | Path) -> pd.DataFrame:
     """Read only the columns the frontier needs from a sweep/replay output (or a file)."""
-    p = Path(path)
-    if p.is_dir():
-        found = [p / n for n in _RESULT_FILES if (p / n).is_file()]
-        if not found:
-            raise ValueError(f"{p}: no results file found (expected one of "
-                             f"{list(_RESULT_FILES)})")
-        p = found[0]
-    if not p.is_file():
-        raise ValueError(f"{p}: no such results file")
+    from tracesim.analysis.frontier_stream import results_file
+
+    p = results_file(path)
     if p.name == "manifest.json":
         return _load_frontier_dataset(p)
     names = pq.read_schema(p).names

@@ -36,11 +36,12 @@ from tracesim.analysis.validity import (
     ValidityRule,
     as_text,
     check_rules,
+    fit_notes,
     fit_rule,
     split_sequences,
 )
 
-__all__ = ["RESULT_FILES", "open_frontier_results", "stream_frontier"]
+__all__ = ["RESULT_FILES", "open_frontier_results", "results_file", "stream_frontier"]
 
 RESULT_FILES = ("results/manifest.json", "manifest.json", "results/results.parquet",
                 "results.parquet", "replay.parquet")
@@ -49,6 +50,21 @@ _NOT_FULL = "\"score\" IS DISTINCT FROM 'full'"
 
 def _note(text: str) -> None:
     print(f"tracesim frontier: note: {text}", file=sys.stderr)
+
+
+def results_file(path: str | Path) -> Path:
+    """The results file of a sweep/replay output directory (the first of
+    :data:`RESULT_FILES` it holds), or ``path`` itself if it is a file."""
+    p = Path(path)
+    if p.is_dir():
+        found = [p / n for n in RESULT_FILES if (p / n).is_file()]
+        if not found:
+            raise ValueError(f"{p}: no results file found (expected one of "
+                             f"{list(RESULT_FILES)})")
+        p = found[0]
+    if not p.is_file():
+        raise ValueError(f"{p}: no such results file")
+    return p
 
 
 def open_frontier_results(path: str | Path) -> ResultsDataset:
@@ -60,15 +76,7 @@ def open_frontier_results(path: str | Path) -> ResultsDataset:
     from tracesim.dataset_read import verify_dataset
     from tracesim.integrity import KEY_COLUMNS, verify_results
 
-    p = Path(path)
-    if p.is_dir():
-        found = [p / n for n in RESULT_FILES if (p / n).is_file()]
-        if not found:
-            raise ValueError(f"{p}: no results file found (expected one of "
-                             f"{list(RESULT_FILES)})")
-        p = found[0]
-    if not p.is_file():
-        raise ValueError(f"{p}: no such results file")
+    p = results_file(path)
     summary_path = p.parent / "summary.json"
     if p.name == "manifest.json":
         summary = _read_json(summary_path)
@@ -148,13 +156,7 @@ def _fit_notes(ds: ResultsDataset, rules: dict[str, ValidityRule], failed: list[
         "SELECT CAST(\"config_id\" AS VARCHAR) AS c FROM results QUALIFY row_number() OVER "
         "(PARTITION BY \"config_id\" ORDER BY __row) = 1 ORDER BY __row")["c"])}
     failed = sorted(failed, key=order.__getitem__)
-    notes = []
-    if failed:
-        notes.append(f"no validity rule could be fitted for {len(failed)} configuration(s) "
-                     f"(no candidate certifies rows of two or more calibration sequences), "
-                     f"e.g. {failed[0]}")
-    if "max_tail_weight" not in ds:
-        notes.append("results have no max_tail_weight column: rules use m and n_eff only")
+    notes = fit_notes(failed, "max_tail_weight" in ds)
     return dict(sorted(rules.items(), key=lambda kv: order[kv[0]])), notes
 
 

@@ -251,7 +251,6 @@ def fit_rules(df: pd.DataFrame, settings: SplitSettings) -> tuple[dict[str, Vali
                                                                   list[str]]:
     """One rule per certified configuration of ``df``; returns (rules, notes)."""
     rules: dict[str, ValidityRule] = {}
-    notes: list[str] = []
     keep = df["certified"].astype(bool) & df["cert2"].notna()
     cert = df if keep.all() else df[keep]  # rows read already certified are not copied
     failed: list[str] = []
@@ -260,13 +259,20 @@ def fit_rules(df: pd.DataFrame, settings: SplitSettings) -> tuple[dict[str, Vali
             rules[str(cid)] = fit_rule(g, settings, str(cid))
         except ValueError:
             failed.append(str(cid))
+    return rules, fit_notes(failed, "max_tail_weight" in df)
+
+
+def fit_notes(failed: list[str], has_weight_column: bool) -> list[str]:
+    """What :func:`fit_rules` says about a fit: the configurations no rule could be fitted
+    for, and rules without the weight cap when the results have no ``max_tail_weight``."""
+    notes = []
     if failed:
         notes.append(f"no validity rule could be fitted for {len(failed)} configuration(s) "
                      f"(no candidate certifies rows of two or more calibration sequences), "
                      f"e.g. {failed[0]}")
-    if "max_tail_weight" not in df:
+    if not has_weight_column:
         notes.append("results have no max_tail_weight column: rules use m and n_eff only")
-    return rules, notes
+    return notes
 
 
 def check_rules(rules: dict[str, ValidityRule], settings: SplitSettings,
