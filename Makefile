@@ -25,9 +25,10 @@ $(VENV)/.installed: $(VENV)/.created pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
+# One pytest worker per core, tests handed out as workers free up (the slowest take minutes).
 test: venv
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist worksteal
 
 lint: venv
 	$(PY) -m ruff check .
