@@ -79,8 +79,8 @@ def load_layer(store, seq, layer: int) -> LayerTrace:
 
 def _float64_stack(parts: list[np.ndarray]) -> np.ndarray:
     """The equally shaped stored tensors ``parts`` as one float64 array: each converted
-    straight into its slot (``np.stack`` of float64 copies converts, then copies again, and
-    was six times slower for float16 keys)."""
+    straight into its slot (``np.stack`` of float64 copies converts, then copies again: for one
+    layer's float16 keys 2.4 ms against 0.4 ms, measured under load)."""
     out = np.empty((len(parts),) + parts[0].shape, dtype=np.float64)
     for i, part in enumerate(parts):
         out[i] = part
