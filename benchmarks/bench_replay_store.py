@@ -6,7 +6,10 @@ one policy (default SnapKV + Poisson, Hájek, 25 % budget) x 32 seeds. Three run
 
 - ``off``: :func:`tracesim.replay.replay` with ``output_space=False`` (the torch baseline's
   math), loading included;
-- ``on``: the same with the output-space certificate (the default);
+- ``on``: the same with the output-space certificate (the default). The store object is
+  shared by the rounds, so only the first ``on`` round computes the ``o_proj`` Gram blocks and
+  QR factors of the layers the warm-up did not touch (they are cached on the store, as in a
+  sweep worker); the medians are of rounds that reuse them;
 - ``torch``: :func:`benchmarks.torch_replay.torch_replay` on every layer (float64, same
   inclusion tables and uniforms, taken from the engine), loading included, inclusion tables not
   (they are the engine's own).

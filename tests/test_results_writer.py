@@ -98,7 +98,9 @@ def test_disk_full_mid_part_loses_nothing_and_the_rerun_resumes(runs, tmp_path, 
 
     def write_batch(self, batch, *args, **kwargs):
         writes["n"] += 1
-        if writes["n"] == 4:  # part 0 (two layers) done; the second batch of part 1
+        # One batch per part here (a sequence's layers share one batch up to BATCH_ROWS
+        # rows): part 0 done, part 1's batch fails.
+        if writes["n"] == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, batch, *args, **kwargs)
 

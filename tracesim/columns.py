@@ -17,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 __all__ = ["BOOTSTRAP_DOCS", "COLUMN_DOCS", "DESCRIPTION_KEY", "INT_SENTINELS", "METRIC_DOCS",
-           "describe_schema", "describe_table", "description", "nullify_rows", "to_arrow"]
+           "describe_schema", "describe_table", "description", "nullify_rows",
+           "strings_from_runs", "to_arrow"]
 
 DESCRIPTION_KEY = b"description"
 
@@ -326,7 +327,15 @@ def _strings_from_buffers(name: str, values: np.ndarray) -> pa.Array | None:
     run_values = values[starts]
     if not all(v is None or isinstance(v, str) for v in run_values):
         return None
-    lengths = np.diff(np.r_[starts, n])
+    return strings_from_runs(name, list(run_values), np.diff(np.r_[starts, n]))
+
+
+def strings_from_runs(name: str, run_values: list[str | None],
+                      lengths: np.ndarray) -> pa.Array | None:
+    """A string Arrow array of ``lengths[i]`` copies of ``run_values[i]`` in turn (empty and
+    None per the null rule), each run encoded once; None when the offsets overflow int32."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = int(lengths.sum())
     missing = np.array([_missing(name, v) for v in run_values], dtype=bool)
     encoded = [b"" if m else v.encode() for v, m in zip(run_values, missing, strict=True)]
     offsets = np.zeros(n + 1, dtype=np.int64)

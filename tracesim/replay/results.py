@@ -8,12 +8,14 @@ not apply are Parquet nulls (see :mod:`tracesim.columns` and ``docs/columns.md``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from tracesim.columns import METRIC_DOCS, describe_schema, to_arrow
+from tracesim.columns import METRIC_DOCS, describe_schema, strings_from_runs, to_arrow
 from tracesim.interval_events import satterthwaite_quantile
 from tracesim.kernels import bounds as KB
 from tracesim.kernels import replay as K
@@ -21,8 +23,9 @@ from tracesim.kernels import replay_bootstrap as KBOOT
 from tracesim.policies import POLICY_COLUMNS
 from tracesim.replay.engine import LayerResult
 
-__all__ = ["BOOTSTRAP_COLUMNS", "METRICS", "RESULT_COLUMNS", "layer_batch", "result_schema",
-           "store_identity", "write_replay_dataset"]
+__all__ = ["BATCH_ROWS", "BOOTSTRAP_COLUMNS", "METRICS", "RESULT_COLUMNS", "LayerColumns",
+           "columns_batch", "layer_batch", "layer_columns", "result_schema", "store_identity",
+           "write_replay_dataset"]
 
 #: Metric columns: name -> (kernel field or None, description). Means over seeds unless noted.
 #: The descriptions (and the order) are :data:`tracesim.columns.METRIC_DOCS`; the kernel
@@ -111,8 +114,42 @@ def _bound_metrics(result: LayerResult) -> dict[str, np.ndarray]:
             "summary_tokens": b[..., KB.B_TOKENS]}
 
 
-def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
-    """Arrow rows of one replayed layer (see :data:`RESULT_COLUMNS`)."""
+#: Columns constant over runs of rows (a policy's, a seed group's or a layer's values) and
+#: the query roles: kept as (value, run length) pairs and expanded once per batch.
+_RUN_COLUMNS = frozenset({"sequence_id", "task", "correct", "layer", "prompt_length",
+                          "n_positions", "attention_kind", "layer_window", "query_role",
+                          "seed", "n_seeds", "context_tokens", "nominal_tokens",
+                          *POLICY_COLUMNS})
+#: Rows a replay batch collects from consecutive layers of one sequence before it is built:
+#: each of the 68 columns costs a fixed tens of microseconds per Arrow array, which one
+#: layer's few rows (63 at 9 heads x 7 queries) do not amortise.
+BATCH_ROWS = 1 << 16
+
+
+@dataclass
+class LayerColumns:
+    """The result columns of one replayed layer, not yet Arrow arrays (:func:`layer_columns`).
+
+    Attributes
+    ----------
+    n_rows : int
+    arrays : dict of str to list of ndarray
+        Per-row columns, in pieces to concatenate.
+    runs : dict of str to (list, list of int)
+        Columns of :data:`_RUN_COLUMNS`: each value and how many rows in turn carry it.
+    bootstrap : bool
+        Whether the bootstrap columns are present.
+    """
+
+    n_rows: int
+    arrays: dict[str, list[np.ndarray]]
+    runs: dict[str, tuple[list[Any], list[int]]]
+    bootstrap: bool
+
+
+def layer_columns(result: LayerResult, per_seed: bool = False) -> LayerColumns:
+    """The rows of one replayed layer as column pieces; :func:`columns_batch` builds several
+    layers' pieces into one Arrow batch."""
     tr = result.trace
     tabs = result.tables
     H, NQ = tr.n_heads, result.query_positions.size
@@ -133,59 +170,120 @@ def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
     if bootstrap:
         per_it.update(boot_cov=result.boot[..., KBOOT.B_COV],
                       boot_cert2=result.boot[..., KBOOT.B_CERT2])
-    if per_seed:
-        groups = [np.array([i]) for i in range(tabs.it_cfg.size)]
-    else:
-        bounds = np.flatnonzero(np.diff(tabs.it_cfg)) + 1
-        groups = np.split(np.arange(tabs.it_cfg.size), bounds)
-    columns = _columns(bootstrap)
-    cols: dict[str, list[np.ndarray]] = {name: [] for name in columns}
+    # Rows aggregate contiguous iterations: all seeds of one policy (or one seed each).
+    n_it = tabs.it_cfg.size
+    starts = (np.arange(n_it) if per_seed
+              else np.r_[0, np.flatnonzero(np.diff(tabs.it_cfg)) + 1].astype(np.int64))
+    sizes = np.diff(np.r_[starts, n_it])
+    n_groups = starts.size
+
+    def aggregate(values: np.ndarray) -> np.ndarray:
+        """Each group's mean over its iterations, the groups' rows one after the other."""
+        if per_seed:
+            return np.ascontiguousarray(values).reshape(-1)
+        return np.concatenate([values[a:a + n].mean(axis=0).reshape(-1)
+                               for a, n in zip(starts.tolist(), sizes.tolist(), strict=True)])
+
+    arrays: dict[str, list[np.ndarray]] = {name: [] for name in _columns(bootstrap)
+                                           if name not in _RUN_COLUMNS}
+    runs: dict[str, tuple[list[Any], list[int]]] = {name: ([], []) for name in _RUN_COLUMNS}
     n_rows = H * NQ
+    field_means = aggregate(out).reshape(n_groups, H, NQ, out.shape[3])
+    for name, values in per_it.items():
+        field = METRICS.get(name, (None, ""))[0]
+        arrays[name].append(field_means[..., field].reshape(-1) if field is not None
+                            else aggregate(values))
+    if per_seed:
+        arrays["err2_sd"].append(np.full(n_groups * n_rows, np.nan))
+    else:
+        err2 = out[..., K.F_ERR2]
+        arrays["err2_sd"].append(np.concatenate([
+            err2[a:a + n].std(axis=0, ddof=1).reshape(-1) if n > 1 else np.full(n_rows, np.nan)
+            for a, n in zip(starts.tolist(), sizes.tolist(), strict=True)]))
+    arrays["event"].append(out[starts, ..., K.F_EVENT].reshape(-1).astype(np.int64))
     head = np.repeat(np.arange(H), NQ)
     qi = np.tile(np.arange(NQ), H)
+    arrays["head"].append(np.tile(head, n_groups))
+    arrays["kv_head"].append(np.tile(head // tr.stored_group_size, n_groups))  # stored layer
+    arrays["query_index"].append(np.tile(result.query_index[qi], n_groups))
+    arrays["query_position"].append(np.tile(result.query_positions[qi], n_groups))
+    arrays["truth_norm"].append(np.tile(result.truth_norm.reshape(-1), n_groups))
+    arrays["output_check"].append(np.tile(result.output_check.reshape(-1), n_groups))
+    # The query roles of one group's rows (head-major), as runs.
+    roles = np.asarray(result.query_roles, dtype=object)[qi]
+    role_starts = np.flatnonzero(np.r_[True, roles[1:] != roles[:-1]]) if n_rows else \
+        np.zeros(0, np.int64)
+    runs["query_role"][0].extend(list(roles[role_starts]) * n_groups)
+    runs["query_role"][1].extend(np.diff(np.r_[role_starts, n_rows]).tolist() * n_groups)
     rows = [p.row() for p in result.policies]
-    for its in groups:
-        c = int(tabs.it_cfg[its[0]])
-        for name, values in per_it.items():
-            block = values[its]
-            agg = block[0] if per_seed else block.mean(axis=0)
-            cols[name].append(agg.reshape(-1))
-        cols["err2_sd"].append(np.full(n_rows, np.nan) if per_seed or its.size < 2
-                               else per_it["err2"][its].std(axis=0, ddof=1).reshape(-1))
-        cols["event"].append(out[its[0], ..., K.F_EVENT].reshape(-1).astype(np.int64))
+
+    def add_run(name: str, value: Any, length: int) -> None:
+        values, lengths = runs[name]
+        if values and type(values[-1]) is type(value) and values[-1] == value:
+            lengths[-1] += length  # consecutive seeds of one policy: one run
+        else:
+            values.append(value)
+            lengths.append(length)
+
+    for start, size in zip(starts.tolist(), sizes.tolist(), strict=True):
+        c = int(tabs.it_cfg[start])
         policy = result.policies[c]
-        seed = int(result.seeds[tabs.it_seed[its[0]]]) if policy.needs_seeds else -1
-        cols["seed"].append(np.full(n_rows, seed if per_seed else -1))
-        cols["n_seeds"].append(np.full(n_rows, its.size))
-        cols["context_tokens"].append(np.full(n_rows, tabs.context[c]))
-        cols["nominal_tokens"].append(np.full(n_rows, tabs.nominal[c]))
+        seed = int(result.seeds[tabs.it_seed[start]]) if policy.needs_seeds else -1
+        add_run("seed", seed if per_seed else -1, n_rows)
+        add_run("n_seeds", size, n_rows)
+        add_run("context_tokens", tabs.context[c], n_rows)
+        add_run("nominal_tokens", tabs.nominal[c], n_rows)
         for key, value in rows[c].items():
-            cols[key].append(np.full(n_rows, value, dtype=object if isinstance(value, str)
-                                     else None))
-        cols["head"].append(head)
-        cols["kv_head"].append(head // tr.stored_group_size)  # of the stored layer
-        cols["query_index"].append(result.query_index[qi])
-        cols["query_position"].append(result.query_positions[qi])
-        cols["query_role"].append(np.asarray(result.query_roles, dtype=object)[qi])
-        cols["truth_norm"].append(result.truth_norm.reshape(-1))
-        cols["output_check"].append(result.output_check.reshape(-1))
-    n_total = sum(a.size for a in cols["head"])
+            add_run(key, value, n_rows)
+    n_total = n_rows * n_groups
     meta = tr.meta
     const = {"sequence_id": tr.sequence_id, "task": str(meta.get("task", "")),
              "correct": None if meta.get("correct") is None else bool(meta["correct"]),
              "layer": tr.layer,
              "prompt_length": tr.prompt_length, "n_positions": tr.n_positions,
              "attention_kind": tr.attention_kind, "layer_window": int(tr.window or 0)}
+    for name, value in const.items():
+        add_run(name, value, n_total)
+    return LayerColumns(n_total, arrays, runs, bootstrap)
+
+
+def _expand_runs(name: str, values: list[Any], lengths: list[int],
+                 typ: pa.DataType) -> pa.Array:
+    """The Arrow column of ``lengths[i]`` rows of ``values[i]`` in turn (nulls per
+    :func:`tracesim.columns.to_arrow`)."""
+    if pa.types.is_string(typ) and all(v is None or isinstance(v, str) for v in values):
+        direct = strings_from_runs(name, values, np.asarray(lengths, dtype=np.int64))
+        if direct is not None:
+            return direct
+    as_object = any(isinstance(v, str) for v in values)
+    column = np.repeat(np.asarray(values, dtype=object if as_object else None),
+                       np.asarray(lengths, dtype=np.int64))
+    return to_arrow(name, column, typ)
+
+
+def columns_batch(parts: list[LayerColumns]) -> pa.RecordBatch:
+    """One Arrow batch of the rows of ``parts`` in turn (see :data:`RESULT_COLUMNS`)."""
+    if not parts:
+        raise ValueError("columns_batch: no layer columns")
+    bootstrap = parts[0].bootstrap
+    if any(p.bootstrap != bootstrap for p in parts):
+        raise ValueError("columns_batch: parts with and without the bootstrap columns")
     arrays = []
-    for name, typ in columns.items():
-        if name in const:
-            values = np.full(n_total, const[name],
-                             dtype=object if isinstance(const[name], str) else None)
+    for name, typ in _columns(bootstrap).items():
+        if name in _RUN_COLUMNS:
+            column = _expand_runs(name, [v for p in parts for v in p.runs[name][0]],
+                                  [n for p in parts for n in p.runs[name][1]], typ)
         else:
-            values = np.concatenate(cols[name])
-        # Not applicable (NaN, seed -1, every 0, "") becomes a Parquet null.
-        arrays.append(to_arrow(name, values, typ))
+            # Not applicable (NaN, seed -1, every 0, "") becomes a Parquet null.
+            column = to_arrow(name, np.concatenate([a for p in parts for a in p.arrays[name]]),
+                              typ)
+        arrays.append(column)
     return pa.RecordBatch.from_arrays(arrays, schema=result_schema(bootstrap))
+
+
+def layer_batch(result: LayerResult, per_seed: bool = False) -> pa.RecordBatch:
+    """Arrow rows of one replayed layer (see :data:`RESULT_COLUMNS`)."""
+    return columns_batch([layer_columns(result, per_seed)])
 
 
 # Built once per flag: every replayed layer's batch carries it (a described schema of 68 fields
