@@ -62,7 +62,7 @@ def test_replays_of_one_store_share_the_gram_blocks_and_give_the_same_rows(tmp_p
 
     store = open_store(build_store(tmp_path / "store", n_seqs=2, n_layers=2))
     first = replay(store, POLICIES[:1], seeds=2, progress=False)
-    cache = store.__dict__["_gram_blocks"]
+    cache = store.gram_cache
     assert len(cache) == 2  # one per layer
     blocks = dict(cache)
     again = replay(store, POLICIES[:1], seeds=2, progress=False)

@@ -178,7 +178,7 @@ def iter_replay(
     bad: list[tuple[str, int, float]] = []
     # Quantiles once per replay; o_proj's Gram blocks and QR factor once per store object (its
     # o_proj file is checked and mapped once, so they cannot change under it).
-    setup = ReplaySetup(options, gram_cache=store.__dict__.setdefault("_gram_blocks", {}))
+    setup = ReplaySetup(options, gram_cache=getattr(store, "gram_cache", None))
     try:
         for sid in seq_ids:
             seq = store[sid]

@@ -224,8 +224,8 @@ class ReplaySetup:
     options : ReplayOptions, optional
     gram_cache : dict, optional
         Where the Gram blocks are kept; pass one dict per store to share them between the
-        replays of that store (:func:`tracesim.replay.iter_replay` keeps one on the store
-        object: the QR factor of ``o_proj`` costs more than the layer errors of one
+        replays of that store (:func:`tracesim.replay.iter_replay` passes the store's
+        ``gram_cache``: the QR factor of ``o_proj`` costs more than the layer errors of one
         configuration at 32 seeds). Default: a dict of this set-up only.
     """
 

@@ -252,6 +252,10 @@ class TraceStore:
                              "expected unique ids")
         self._ids = ids
         self._o_proj: TensorFile | None = None
+        #: What replays derive from this store's o_proj (its Gram blocks and QR factor), kept
+        #: for the next replay of the same store object: the o_proj file is checked and mapped
+        #: once, so they cannot change under it (:class:`tracesim.replay.engine.ReplaySetup`).
+        self.gram_cache: dict = {}
 
     def __repr__(self) -> str:
         return f"TraceStore({str(self.path)!r}, {len(self)} sequences, {self.model.model_id!r})"
