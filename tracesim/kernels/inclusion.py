@@ -19,6 +19,10 @@ def capped_pps_scale(x: np.ndarray, n: float, floor: float) -> float:
     scores span many orders of magnitude). One division then gives c. Cost O(N log N).
     Returns -1.0 if n cannot be reached.
     """
+    if floor == 0.0:
+        c = _scale_by_capping(x, n)
+        if c == c:  # not NaN: the fixed point was reached without sorting
+            return c
     N = x.size
     xs = np.sort(x)
     prefix = np.zeros(N + 1)
@@ -28,6 +32,51 @@ def capped_pps_scale(x: np.ndarray, n: float, floor: float) -> float:
     if floor == 0.0:
         return _scale_without_floor(xs, prefix, first_positive, n, floor)
     return _scale_by_sweep(xs, prefix, first_positive, n, floor)
+
+
+#: Rounds of :func:`_scale_by_capping` before it gives up (then the sort sweep runs). Each
+#: round caps every token the previous scale pushes to 1; attention scores settle in a few.
+CAPPING_ROUNDS = 12
+
+
+@nb.njit(cache=True)
+def _scale_by_capping(x, n):
+    """:func:`capped_pps_scale` without a floor, by capping rounds instead of a sort: O(N) per
+    round, NaN when it does not settle in :data:`CAPPING_ROUNDS` rounds or ``n`` is not below
+    the number of positive scores (the sweep then decides).
+
+    ``c = n / sum x``; every token with ``c x_i >= 1`` is capped and ``c`` recomputed from the
+    rest, ``c = (n - capped) / sum_uncapped x``. ``c`` only grows, so the capped set only
+    grows; when a round caps no new token, ``sum_i min(c x_i, 1) = n`` holds and ``c`` is the
+    unique solution the sweep finds (``f`` is strictly increasing while a positive score is
+    uncapped). The sums run in position order, the sweep's over sorted prefix sums: the two
+    agree to rounding, not bit for bit.
+    """
+    total = 0.0
+    n_pos = 0
+    for i in range(x.size):
+        if x[i] > 0.0:
+            total += x[i]
+            n_pos += 1
+    if not (n < n_pos and total < np.inf):
+        return np.nan
+    capped = 0
+    c = n / total
+    for _ in range(CAPPING_ROUNDS):
+        count = 0
+        rest = 0.0
+        for i in range(x.size):
+            if c * x[i] >= 1.0:
+                count += 1
+            else:
+                rest += x[i]
+        if count == capped:
+            return c
+        if not rest > 0.0:
+            return np.nan
+        capped = count
+        c = (n - count) / rest
+    return np.nan
 
 
 @nb.njit(cache=True)

@@ -11,7 +11,10 @@ recomputed per policy or seed. For one (iteration, KV head, event) *unit* the ke
    (``sum_{pi >= 1} E v`` and ``sum E``) is the event's, computed once for all seeds by
    :func:`tracesim.kernels.replay_events.take_all_kernel` (only a fixed-size mask that drops
    a take-all token falls back to the whole kept set),
-3. multiplies them with the kept values (BLAS dgemm, one thread per iteration), and
+3. multiplies them with the kept values (BLAS dgemm, one thread per iteration; units of at
+   most ``FUSED_ROWS`` rows in one pass over the kept rows in place,
+   :mod:`tracesim.kernels.replay_fused`, four tokens at a time when every kept token is a
+   tail token, :mod:`tracesim.kernels.fused_tiles`), and
 4. finishes each row: estimate, error, certificates, coverage, oracle diagnostics.
 
 Certificates use the running sums ``S2 - 2 o.S1 + |o|^2 S0`` (see ``tracesim.estimators``),

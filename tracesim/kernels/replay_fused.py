@@ -18,6 +18,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from tracesim.kernels.fused_tiles import tiled_estimate, tiled_products
+
 #: Units with at most this many rows (event queries x group heads) take the fused path; larger
 #: ones gather the kept values and call BLAS. Measured break-even (one thread, d = 64, 230 kept
 #: tail tokens, estimate and certificate products): fused 2.2x faster at 3 rows, even at 8,
@@ -97,6 +99,11 @@ def fused_products(Vg, kept_idx, m, mt, We, Wd, Wxf):
     for a run-time ``d`` (measured 2x slower than with the constant); other ``d`` take the
     run-time loop. Every variant adds in the same order.
     """
+    if m == mt and Wd.shape[0] == We.shape[0] > 0:
+        # Every kept token a tail token and a certificate row per estimate row (a per-step
+        # unit whose take-all part is the event's): four tokens per accumulator pass.
+        X, TD = tiled_products(Vg, kept_idx, m, We, Wd)
+        return X, TD, tiled_estimate(Vg, kept_idx, mt, Wxf)
     d = Vg.shape[1]
     if d == 64:
         return _products(Vg, kept_idx, m, mt, We, Wd, Wxf, 64)
