@@ -78,8 +78,15 @@ with float64 operations only (each correctly rounded, so the result is the same 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numba as nb
 import numpy as np
+
+from tracesim.numba_cache import versioned_cache
+
+# before the first compiled function: the replay kernels inline these (tracesim.numba_cache)
+versioned_cache(Path(__file__).resolve().parent)
 
 __all__ = [
     "BOOTSTRAP_MAX_COUNT",
