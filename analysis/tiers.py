@@ -173,6 +173,7 @@ def read_scheduler_curves(path: str | Path, memory_limit: str = "256MB") -> pd.D
         con = duckdb.connect(config={"memory_limit": memory_limit, "threads": 1,
                                      "temp_directory": spill})
         try:
+            con.execute("SET enable_progress_bar = false")  # the report's output is its own
             where = " AND ".join([*(f"{k} IS NOT NULL" for k in _KEYS),
                                   "NOT isnan(fetch_budget)"])
             sql = (
@@ -182,13 +183,13 @@ def read_scheduler_curves(path: str | Path, memory_limit: str = "256MB") -> pd.D
                 # per (layer, KV head, step): sums, and the first row's evicted bytes, stall
                 f"h AS (SELECT {keys}, layer, step, min(n) AS n, "
                 f"{_sum('err2_before')} AS eb, {_sum('err2_after')} AS ea, "
-                f"{_sum('bytes_moved')} AS bm, first(evicted_bytes ORDER BY n) AS ev, "
-                "first(stall_ms ORDER BY n) AS st, first(fetch_ms ORDER BY n) AS ft "
+                f"{_sum('bytes_moved')} AS bm, arg_min_null(evicted_bytes, n) AS ev, "
+                "arg_min_null(stall_ms, n) AS st, arg_min_null(fetch_ms, n) AS ft "
                 f"FROM r GROUP BY {keys}, layer, kv_head, step), "
                 # per (layer, step): the first row's stall and fetch time
                 f"s AS (SELECT {keys}, {_sum('eb')} AS eb, {_sum('ea')} AS ea, "
-                f"{_sum('bm')} AS bm, {_sum('ev')} AS ev, first(st ORDER BY n) AS st, "
-                f"first(ft ORDER BY n) AS ft FROM h GROUP BY {keys}, layer, step) "
+                f"{_sum('bm')} AS bm, {_sum('ev')} AS ev, arg_min_null(st, n) AS st, "
+                f"arg_min_null(ft, n) AS ft FROM h GROUP BY {keys}, layer, step) "
                 f"SELECT {keys}, {_sum('eb')} AS err2_before, {_sum('ea')} AS err2_after, "
                 f"{_sum('bm')} AS bytes_moved, {_sum('ev')} AS evicted_bytes, "
                 f"{_sum('st')} AS stall_ms, {_sum('ft')} AS fetch_ms "

@@ -86,7 +86,8 @@ def main() -> None:
         for reader in args.readers:
             load = os.getloadavg()[0]
             out = subprocess.run([sys.executable, "-c", _CHILD, str(path), reader],
-                                 capture_output=True, text=True, check=True).stdout.split()
+                                 capture_output=True, text=True,
+                                 check=True).stdout.strip().splitlines()[-1].split()
             print(f"{reader:<7} {rows:>12,} rows  CPU {out[0]:>7} s  peak {out[1]:>6} MB  "
                   f"{out[2]} curves  load {load:.2f}", flush=True)
         path.unlink()
