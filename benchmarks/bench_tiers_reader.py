@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 _CHILD = """
-import resource, sys, time
+import sys, time
 import pyarrow.parquet as pq
 from tracesim.analysis.tiers import curves_tables, read_scheduler_curves, scheduler_curves
 t0 = time.process_time()
@@ -35,8 +35,10 @@ if sys.argv[2] == "whole":
 else:
     curves = read_scheduler_curves(sys.argv[1])
 curves_tables(curves)
-use = resource.getrusage(resource.RUSAGE_SELF)
-print(f"{time.process_time() - t0:.1f} {use.ru_maxrss / 1024:.0f} {len(curves)}")
+# VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec (the parent's size at the fork)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status")
+           if line.startswith("VmHWM:"))
+print(f"{time.process_time() - t0:.1f} {hwm / 1024:.0f} {len(curves)}")
 """
 
 
