@@ -161,7 +161,8 @@ def _read_family(ds: ResultsDataset, columns: list[str], ids: list[str],
 def _read_chunk(rows: ResultsDataset | None, columns: list[str], chunk: int) -> pd.DataFrame:
     """One read of :func:`_rows_by_chunk`'s copy: its rows, in the table's order (the
     identifiers as categoricals, as the whole-table reader gave them)."""
-    assert rows is not None, "a read without a copy of the rows"
+    if rows is None:  # a read is only planned when some configuration has rows to copy
+        raise ValueError("frontier: a read of rows that were not copied")
     df = rows.read(columns, f"\"__chunk\" = {int(chunk)}")
     for c in ("sequence_id", "config_id"):
         if c in df:
