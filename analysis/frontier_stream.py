@@ -3,12 +3,14 @@
 The frontier's rows are groups of one family (a configuration without its budget) and its
 budgets; a validity rule is fitted on one configuration's certified calibration rows. So the
 results are never loaded whole: :func:`open_frontier_results` verifies them and opens a
-:class:`~tracesim.analysis.aggregate.ResultsDataset`; the family labels come from the distinct
-family columns (one row per configuration, a DuckDB group-by); then each family's rows (its
-configurations, only the frontier's columns) are read, its rules fitted and its frontier rows
-computed by the same code as the in-memory :func:`tracesim.analysis.frontier.frontier_table`.
-Several families are read at once up to :data:`CHUNK_ROWS` rows (a larger family alone), in
-one pass: memory is one read's rows, not the table's. The per-step section is computed from sums
+:class:`~tracesim.analysis.aggregate.ResultsDataset`; one grouped scan gives one row per
+configuration (its family columns, row count, first row); the families are packed into reads
+of up to :data:`CHUNK_ROWS` rows (a larger family alone), and one more pass copies the
+frontier's columns into a temporary Parquet file sorted by read, so each read touches only its
+own row groups instead of scanning every part (at 10^7 rows ~40 reads did, issue 28). Each
+read's rules are fitted on its rows and its frontier rows computed by the same code as the
+in-memory :func:`tracesim.analysis.frontier.frontier_table`: memory is one read's rows and
+DuckDB's limit, never the table's. The per-step section is computed from sums
 (:mod:`tracesim.analysis.perstep_stream`).
 """
 
@@ -108,16 +110,36 @@ def open_frontier_results(path: str | Path) -> ResultsDataset:
                           else None, columns=tuple(names), n_rows=n_rows)
 
 
-def _families(ds: ResultsDataset) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """``config_id -> family label`` (as :func:`family_labels` of the whole table labels it)
-    and the configurations of each family, from one row per configuration."""
+def _config_summary(ds: ResultsDataset) -> pd.DataFrame:
+    """One row per configuration from one grouped scan of the rows (no window over them): its
+    first row overall (``any_row``) and among its non-``full`` rows (``first_row``, with that
+    row's family columns), its non-``full`` row count, whether it has ``full`` rows, and for
+    the whole table's questions the least and greatest ``store`` of its non-``full`` rows and
+    its greatest ``n_seeds``."""
     keys = [c for c in _FAMILY if c in ds]
-    first = ds.query(f"SELECT {', '.join(map(quote, ['config_id', *keys]))} FROM results "
-                     f"WHERE {_NOT_FULL} QUALIFY row_number() OVER (PARTITION BY "
-                     "\"config_id\" ORDER BY __row) = 1 ORDER BY __row")
+    packed = ", ".join(f"{quote(k)} := {quote(k)}" for k in keys)
+    agg = [f"arg_min(struct_pack({packed}), __row) FILTER (WHERE {_NOT_FULL}) AS __keys",
+           f"min(__row) FILTER (WHERE {_NOT_FULL}) AS first_row", "min(__row) AS any_row",
+           f"count(*) FILTER (WHERE {_NOT_FULL}) AS rows",
+           "COALESCE(bool_or(\"score\" = 'full'), FALSE) AS has_full"]
+    if "store" in ds:
+        agg += [f"min(\"store\") FILTER (WHERE {_NOT_FULL}) AS store_min",
+                f"max(\"store\") FILTER (WHERE {_NOT_FULL}) AS store_max"]
+    if "n_seeds" in ds:
+        agg.append("max(\"n_seeds\") AS max_seeds")
+    fields = ", ".join(f"__keys.{quote(k)} AS {quote(k)}" for k in keys)
+    return ds.query(f"SELECT config_id, {fields}, * EXCLUDE (config_id, __keys) FROM ("
+                    f"SELECT CAST(\"config_id\" AS VARCHAR) AS config_id, {', '.join(agg)} "
+                    "FROM results WHERE \"config_id\" IS NOT NULL GROUP BY 1) ORDER BY any_row")
+
+
+def _families(configs: pd.DataFrame) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """``config_id -> family label`` (as :func:`family_labels` of the whole table labels it)
+    and the configurations of each family, from :func:`_config_summary`."""
+    first = configs[configs["first_row"].notna()].sort_values("first_row")
     if first.empty:
         return {}, {}
-    labels = family_labels(first[keys])
+    labels = family_labels(first[[c for c in _FAMILY if c in first]].reset_index(drop=True))
     families = dict(zip(first["config_id"].astype(str), labels.astype(str), strict=True))
     members: dict[str, list[str]] = {}
     for cid, fam in families.items():
@@ -136,6 +158,18 @@ def _read_family(ds: ResultsDataset, columns: list[str], ids: list[str],
     return df
 
 
+def _read_chunk(rows: ResultsDataset | None, columns: list[str], chunk: int) -> pd.DataFrame:
+    """One read of :func:`_rows_by_chunk`'s copy: its rows, in the table's order (the
+    identifiers as categoricals, as the whole-table reader gave them)."""
+    if rows is None:  # a read is only planned when some configuration has rows to copy
+        raise ValueError("frontier: a read of rows that were not copied")
+    df = rows.read(columns, f"\"__chunk\" = {int(chunk)}")
+    for c in ("sequence_id", "config_id"):
+        if c in df:
+            df[c] = df[c].astype("category")
+    return df
+
+
 def _fit_rows(cert: pd.DataFrame, settings: SplitSettings, rules: dict[str, ValidityRule],
               failed: list[str]) -> None:
     """:func:`tracesim.analysis.validity.fit_rules`' loop on some configurations' rows:
@@ -148,23 +182,21 @@ def _fit_rows(cert: pd.DataFrame, settings: SplitSettings, rules: dict[str, Vali
             failed.append(str(cid))
 
 
-def _fit_notes(ds: ResultsDataset, rules: dict[str, ValidityRule], failed: list[str]
-               ) -> tuple[dict[str, ValidityRule], list[str]]:
+def _fit_notes(configs: pd.DataFrame, rules: dict[str, ValidityRule], failed: list[str],
+               with_tail_weight: bool) -> tuple[dict[str, ValidityRule], list[str]]:
     """The rules and :func:`fit_rules`' notes, in the order the whole-table reader grouped the
     configurations (categoricals in the order of their first row)."""
-    order = {cid: i for i, cid in enumerate(ds.query(
-        "SELECT CAST(\"config_id\" AS VARCHAR) AS c FROM results QUALIFY row_number() OVER "
-        "(PARTITION BY \"config_id\" ORDER BY __row) = 1 ORDER BY __row")["c"])}
+    order = {cid: i for i, cid in enumerate(configs.sort_values("any_row")["config_id"])}
     failed = sorted(failed, key=order.__getitem__)
-    notes = fit_notes(failed, "max_tail_weight" in ds)
+    notes = fit_notes(failed, with_tail_weight)
     return dict(sorted(rules.items(), key=lambda kv: order[kv[0]])), notes
 
 
-def _chunks(ds: ResultsDataset, members: dict[str, list[str]], limit: int) -> list[list[str]]:
+def _chunks(configs: pd.DataFrame, members: dict[str, list[str]], limit: int
+            ) -> list[list[str]]:
     """The families in label order, packed into reads of at most ``limit`` rows (a larger
-    family is one read of its own): fewer scans of the parts, memory still bounded."""
-    counts = ds.sums(["config_id"], where=_NOT_FULL)
-    per_config = dict(zip(counts["config_id"].astype(str), counts["rows"], strict=True))
+    family is one read of its own): memory bounded by a read."""
+    per_config = dict(zip(configs["config_id"], configs["rows"], strict=True))
     out: list[list[str]] = []
     size = 0
     for fam in sorted(members):
@@ -175,6 +207,34 @@ def _chunks(ds: ResultsDataset, members: dict[str, list[str]], limit: int) -> li
         out[-1].append(fam)
         size += n
     return out
+
+
+def _rows_by_chunk(ds: ResultsDataset, columns: list[str], chunk_of: dict[str, int],
+                   full_chunk: int | None, directory: Path) -> ResultsDataset:
+    """The frontier's rows copied once into one Parquet file sorted by read (``__chunk``, the
+    index of the read a row's configuration belongs to), each read's rows in the table's order:
+    a read of one chunk then touches only its own row groups (their ``__chunk`` statistics),
+    where a read of the results by configuration scans every part. The certified rows of the
+    ``full`` configurations are the chunk ``full_chunk``. One pass over the results; the sort
+    spills to disk beyond DuckDB's memory limit."""
+    con = ds.connection()
+    chunks = pd.DataFrame({"config_id": list(chunk_of), "__chunk": list(chunk_of.values())})
+    con.register("__frontier_chunks", chunks)
+    keep = _NOT_FULL if full_chunk is None else (
+        f"(m.__chunk < {full_chunk} AND {_NOT_FULL}) OR "
+        f"(m.__chunk = {full_chunk} AND {certified_where()})")
+    path = directory / "rows.parquet"
+    target = "'" + str(path).replace("'", "''") + "'"
+    try:
+        con.execute(f"COPY (SELECT {', '.join('r.' + quote(c) for c in columns)}, m.__chunk "
+                    "FROM results r JOIN __frontier_chunks m ON CAST(r.\"config_id\" AS "
+                    f"VARCHAR) = m.config_id WHERE {keep} ORDER BY m.__chunk, r.__row) TO "
+                    f"{target} (FORMAT parquet)")
+    finally:
+        con.unregister("__frontier_chunks")
+    return ResultsDataset(files=[path], summary=None, columns=(*columns, "__chunk"),
+                          n_rows=pq.ParquetFile(path).metadata.num_rows,
+                          memory_limit=ds.memory_limit, threads=ds.threads)
 
 
 #: Rows read at once by the frontier (several families per read up to this; a larger family
@@ -190,9 +250,15 @@ def stream_frontier(ds: ResultsDataset, settings: SplitSettings,
                     chunk_rows: int | None = None
                     ) -> tuple[pd.DataFrame, list[str], dict[str, ValidityRule]]:
     """(frontier table, notes, rules) as :func:`tracesim.analysis.frontier_cli.run_frontier`
-    computes them from the whole table, reading a few families' rows at a time (one pass:
-    each family's rules are fitted on its own rows, then its frontier rows computed)."""
+    computes them from the whole table, reading a few families' rows at a time: each family's
+    rules are fitted on its own rows, then its frontier rows computed. The results are scanned
+    three times whatever their size (the sequences, one row per configuration, and one copy of
+    the frontier's rows sorted by read, :func:`_rows_by_chunk`); the reads hit that copy."""
+    import tempfile
+
     columns = [c for c in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS) if c in ds]
+    # the command's output is its own: no DuckDB progress bar on it during the long scans
+    ds.connection().execute("SET enable_progress_bar = false")
     seqs = ds.query("SELECT DISTINCT CAST(\"sequence_id\" AS VARCHAR) AS s FROM results "
                     "WHERE \"sequence_id\" IS NOT NULL")["s"]
     split = split_sequences(seqs, settings.salt, settings.fraction)
@@ -200,12 +266,13 @@ def stream_frontier(ds: ResultsDataset, settings: SplitSettings,
     notes = [f"validity rules: split salt `{settings.salt}`, calibration fraction "
              f"{settings.fraction}: {len(split) - len(held)} calibration, {len(held)} held-out "
              f"sequences"]
-    families, members = _families(ds)
+    configs = _config_summary(ds)
+    families, members = _families(configs)
     if given is not None:
         check_rules(given, settings, held)
-    kinds = [k for k in STRATA if k != "store" or (
-        "store" in ds and ds.query(f"SELECT count(DISTINCT \"store\") AS n FROM results "
-                                   f"WHERE {_NOT_FULL}")["n"].iloc[0] > 1)]
+    stores = (configs["store_min"].dropna().tolist() + configs["store_max"].dropna().tolist()
+              if "store" in ds else [])
+    kinds = [k for k in STRATA if k != "store" or len(set(stores)) > 1]
     fitted: dict[str, ValidityRule] = {}
     failed: list[str] = []
     # per family: its rows with the rules it has, or (without a rule of its own) with none at
@@ -217,33 +284,46 @@ def stream_frontier(ds: ResultsDataset, settings: SplitSettings,
                              fraction=settings.fraction, alpha=alpha, families=families,
                              kinds=kinds)
 
-    for fams in _chunks(ds, members, chunk_rows or CHUNK_ROWS):
-        df = _read_family(ds, columns, [c for f in fams for c in members[f]], _NOT_FULL)
-        if given is None:
-            _fit_rows(df, settings, fitted, failed)
-        labels = as_text(df["config_id"]).map(families)
-        for fam in fams:
-            chunk = df[(labels == fam).to_numpy()]
-            own = given if given is not None else {
-                c: fitted[c] for c in members[fam] if c in fitted}
-            if own:
-                parts.append((*rows_of(chunk, own), None, None))
-            else:
-                parts.append((*rows_of(chunk, None), *rows_of(chunk, _OTHERS_ONLY)))
-        del df, labels
+    reads = _chunks(configs, members, chunk_rows or CHUNK_ROWS)
+    chunk_of = {c: i for i, fams in enumerate(reads) for f in fams for c in members[f]}
+    full = configs.loc[configs["has_full"].astype(bool), "config_id"].tolist()
+    # the full configurations' certified rows are one more read of the sorted copy, unless a
+    # configuration has full and other rows (then they are read from the results)
+    with_full = given is None and bool(full) and not set(full) & set(chunk_of)
+    if with_full:
+        chunk_of.update({c: len(reads) for c in full})
+    with tempfile.TemporaryDirectory(prefix="tracesim-frontier-") as tmp:
+        rows_ds = (_rows_by_chunk(ds, columns, chunk_of, len(reads) if with_full else None,
+                                  Path(tmp)) if chunk_of else None)
+        try:
+            for i, fams in enumerate(reads):
+                df = _read_chunk(rows_ds, columns, i)
+                if given is None:
+                    _fit_rows(df, settings, fitted, failed)
+                labels = as_text(df["config_id"]).map(families)
+                for fam in fams:
+                    chunk = df[(labels == fam).to_numpy()]
+                    own = given if given is not None else {
+                        c: fitted[c] for c in members[fam] if c in fitted}
+                    if own:
+                        parts.append((*rows_of(chunk, own), None, None))
+                    else:
+                        parts.append((*rows_of(chunk, None), *rows_of(chunk, _OTHERS_ONLY)))
+                del df, labels
+            if given is None and full:
+                _fit_rows(_read_chunk(rows_ds, columns, len(reads)) if with_full else
+                          _read_family(ds, columns, full, certified_where()), settings,
+                          fitted, failed)
+        finally:
+            if rows_ds is not None:
+                rows_ds.close()
     if given is None:
-        full = ds.query("SELECT DISTINCT CAST(\"config_id\" AS VARCHAR) AS c FROM results "
-                        "WHERE \"score\" = 'full'")["c"].tolist()
-        if full:
-            _fit_rows(_read_family(ds, columns, full, certified_where()), settings, fitted,
-                      failed)
-        rules, fit_notes = _fit_notes(ds, fitted, failed)
+        rules, fit_notes = _fit_notes(configs, fitted, failed, "max_tail_weight" in ds)
         notes += fit_notes
         check_rules(rules, settings, held)
     else:
         rules = given
-    if "n_seeds" in ds and ds.query("SELECT count(*) AS n FROM results WHERE "
-                                    "\"n_seeds\" > 1")["n"].iloc[0] > 0:
+    if "n_seeds" in ds and (configs["max_seeds"] > 1).any():
         notes.append("aggregated rows: m and n_eff are seed means; fit rules on per-seed rows")
     rows: list[dict[str, Any]] = []
     table_notes: list[str] | None = None

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
-import pyarrow.parquet as pq
 from tracesim.analysis import figures
 from tracesim.analysis import report_figures as rfig
 from tracesim.analysis.answer_span import add_to_report as add_answer_span
@@ -190,17 +189,18 @@ _FETCH_CAPTION = (
 
 def add_tiers(report: Report, tiers_dir: str | Path) -> None:
     """C7 in bytes and time: the ``tracesim tiers`` tables and figure."""
-    from tracesim.analysis.tiers import scheduler_curves, tiers_figure, tiers_tables
+    from tracesim.analysis.tiers import curves_tables, read_scheduler_curves, tiers_figure
 
     path = Path(tiers_dir) / "tiers.parquet"
     if not path.is_file():
         raise ValueError(f"--tiers {tiers_dir}: no tiers.parquet, expected a tracesim tiers "
                          "output directory")
-    df = pq.read_table(path).to_pandas()
-    curves_text, tests_text = tiers_tables(df)
+    # the per-sequence curves aggregated by DuckDB from the columns they need, never the rows
+    curves = read_scheduler_curves(path)
+    curves_text, tests_text = curves_tables(curves)
     report.tables["tiered memory: error recovered per scheduler and fetch budget"] = curves_text
     report.tables["tiered memory: paired tests over sequences (Holm per scheduler)"] = tests_text
-    report.add_figure("tiers", (tiers_figure(scheduler_curves(df)), _TIERS_CAPTION))
+    report.add_figure("tiers", (tiers_figure(curves), _TIERS_CAPTION))
 
 
 _TIERS_CAPTION = (

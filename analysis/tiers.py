@@ -25,7 +25,10 @@ from scipy import stats
 from tracesim.analysis.multiplicity import holm
 from tracesim.analysis.plotting import png_bytes, pyplot
 
-__all__ = ["compare_schedulers", "scheduler_curves", "tiers_figure", "tiers_tables"]
+__all__ = ["compare_schedulers", "curves_tables", "read_scheduler_curves", "scheduler_curves",
+           "tiers_figure", "tiers_tables"]
+
+_KEYS = ["sequence_id", "config_id", "scheduler", "fetch_budget"]
 
 
 def scheduler_curves(df: pd.DataFrame) -> pd.DataFrame:
@@ -41,7 +44,12 @@ def scheduler_curves(df: pd.DataFrame) -> pd.DataFrame:
     st = (df.drop_duplicates(keys + ["layer", "step"])
           .groupby(keys)[["stall_ms", "fetch_ms"]].sum())
     out = out.drop(columns=["stall_ms", "fetch_ms"]).merge(ev.reset_index(), on=keys)
-    out = out.merge(st.reset_index(), on=keys)
+    return _with_shares(out.merge(st.reset_index(), on=keys))
+
+
+def _with_shares(out: pd.DataFrame) -> pd.DataFrame:
+    """The per-unit totals with the recovered share, bytes share and recovery per GB and
+    per modelled millisecond."""
     with np.errstate(divide="ignore", invalid="ignore"):
         out["recovered"] = 1.0 - out["err2_after"] / out["err2_before"]
         out["bytes_share"] = out["bytes_moved"] / out["evicted_bytes"]
@@ -148,10 +156,64 @@ def tiers_figure(curves: pd.DataFrame, path: str | Path | None = None) -> bytes:
     return png
 
 
+def read_scheduler_curves(path: str | Path, memory_limit: str = "256MB") -> pd.DataFrame:
+    """:func:`scheduler_curves` of a ``tiers.parquet`` without loading it: DuckDB reads the
+    file's 11 columns it needs batch by batch and aggregates under ``memory_limit`` (spilling
+    beyond it), one thread so the float sums add in the file's order. Each (layer, KV head,
+    step)'s evicted bytes and each (layer, step)'s stall and fetch time come from its first row
+    in the file, as ``drop_duplicates`` keeps; rows with a missing key are left out, as
+    ``groupby``. Only the result, one row per (sequence, config, scheduler, budget), is held."""
+    import tempfile
+
+    import duckdb
+
+    src = "'" + str(path).replace("'", "''") + "'"
+    keys = ", ".join(_KEYS)
+    with tempfile.TemporaryDirectory(prefix="tracesim-tiers-") as spill:
+        con = duckdb.connect(config={"memory_limit": memory_limit, "threads": 1,
+                                     "temp_directory": spill})
+        try:
+            con.execute("SET enable_progress_bar = false")  # the report's output is its own
+            where = " AND ".join([*(f"{k} IS NOT NULL" for k in _KEYS),
+                                  "NOT isnan(fetch_budget)"])
+            sql = (
+                f"WITH r AS (SELECT {keys}, layer, kv_head, step, err2_before, err2_after, "
+                "bytes_moved, evicted_bytes, stall_ms, fetch_ms, file_row_number AS n "
+                f"FROM read_parquet({src}, file_row_number = true) WHERE {where}), "
+                # per (layer, KV head, step): sums, and the first row's evicted bytes, stall
+                f"h AS (SELECT {keys}, layer, step, min(n) AS n, "
+                f"{_sum('err2_before')} AS eb, {_sum('err2_after')} AS ea, "
+                f"{_sum('bytes_moved')} AS bm, arg_min_null(evicted_bytes, n) AS ev, "
+                "arg_min_null(stall_ms, n) AS st, arg_min_null(fetch_ms, n) AS ft "
+                f"FROM r GROUP BY {keys}, layer, kv_head, step), "
+                # per (layer, step): the first row's stall and fetch time
+                f"s AS (SELECT {keys}, {_sum('eb')} AS eb, {_sum('ea')} AS ea, "
+                f"{_sum('bm')} AS bm, {_sum('ev')} AS ev, arg_min_null(st, n) AS st, "
+                f"arg_min_null(ft, n) AS ft FROM h GROUP BY {keys}, layer, step) "
+                f"SELECT {keys}, {_sum('eb')} AS err2_before, {_sum('ea')} AS err2_after, "
+                f"{_sum('bm')} AS bytes_moved, {_sum('ev')} AS evicted_bytes, "
+                f"{_sum('st')} AS stall_ms, {_sum('ft')} AS fetch_ms "
+                f"FROM s GROUP BY {keys} ORDER BY {keys}")
+            table = con.sql(sql).to_arrow_table()
+        finally:
+            con.close()
+    return _with_shares(table.to_pandas())
+
+
+def _sum(column: str) -> str:
+    """SQL: pandas' ``sum`` of a float column (missing values and NaN skipped, 0 for none)."""
+    return f"COALESCE(sum({column}) FILTER (WHERE NOT isnan({column})), 0)"
+
+
 def tiers_tables(df: pd.DataFrame) -> tuple[str, str]:
     """Text tables for the report: recovered share per scheduler and budget, and the paired
     tests of the certificate schedulers against ``random`` and ``confidence``."""
-    curves = scheduler_curves(df)
+    return curves_tables(scheduler_curves(df))
+
+
+def curves_tables(curves: pd.DataFrame) -> tuple[str, str]:
+    """:func:`tiers_tables` from the curves (:func:`scheduler_curves` or
+    :func:`read_scheduler_curves`)."""
     agg = curves.groupby(["scheduler", "fetch_budget"]).agg(
         recovered=("recovered", "mean"), bytes_share=("bytes_share", "mean"),
         stall_ms=("stall_ms", "mean"), recovered_per_gb=("recovered_per_gb", "mean"),

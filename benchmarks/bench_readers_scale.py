@@ -19,8 +19,9 @@ it; ``report``'s C8 applies it): neither has a results input to scale.
 
 Peak memory is the sum over the process tree of each process's ``VmHWM`` (``/proc``, polled
 every 0.2 s, the last value kept per process), an upper bound of the tree's simultaneous peak.
-The load average is printed with each line: times taken on a loaded machine are not speed
-results; memory peaks are.
+The load average is printed with each line, and each reader's CPU seconds (its finished
+process tree's user + system time): wall times taken on a loaded machine are not speed
+results; CPU times are guidance, memory peaks are results.
 
 Usage::
 
@@ -35,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -67,6 +69,13 @@ def reader_command(reader: str, results: Path, out: Path,
     raise ValueError(f"reader {reader!r}: expected one of {READERS}")
 
 
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's finished children (and theirs, when
+    waited for): a reader's CPU time on a loaded machine, where its wall time is not."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep", type=Path, help="a tracesim sweep output (results dataset)")
@@ -96,13 +105,16 @@ def main() -> None:
             out = work / f"{reader}-{copies}"
             shutil.rmtree(out, ignore_errors=True)
             load = os.getloadavg()[0]
+            cpu = _children_cpu()
             res = run_tree(reader_command(reader, d, out, args.perstep_by),
                            work / f"{reader}-{copies}.stderr")
             res.update(reader=reader, rows=rows, load_avg_1m=round(load, 2),
+                       cpu_s=round(_children_cpu() - cpu, 1),
                        rows_per_s=round(rows / res["seconds"]) if res["rc"] == 0 else None)
             out_rows.append(res)
             print(f"{reader:<12} {rows:>12,} rows  rc={res['rc']}  {res['seconds']:8.1f} s  "
-                  f"{res['rows_per_s'] or 0:>10,} rows/s  peak {res['peak_mb']:8.1f} MB "
+                  f"{res['rows_per_s'] or 0:>10,} rows/s  CPU {res['cpu_s']:8.1f} s  "
+                  f"peak {res['peak_mb']:8.1f} MB "
                   f"({res['processes']} process(es))  load {load:.2f} {res['stderr_tail']}",
                   flush=True)
             shutil.rmtree(out, ignore_errors=True)

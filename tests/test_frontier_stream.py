@@ -114,6 +114,60 @@ def test_streamed_frontier_equals_the_whole_table_computation(sweep, tmp_path, m
     _same_table(pq.read_table(tmp_path / "f" / "frontier.parquet").to_pandas(), old)
 
 
+class _Recorded:
+    """A DuckDB connection that records the statements run on it."""
+
+    def __init__(self, con, log: list[str]):
+        self._con, self._log = con, log
+
+    def sql(self, query: str, *args, **kwargs):
+        self._log.append(query)
+        return self._con.sql(query, *args, **kwargs)
+
+    def execute(self, query: str, *args, **kwargs):
+        self._log.append(query)
+        return self._con.execute(query, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._con, name)
+
+
+def test_the_results_are_scanned_a_fixed_number_of_times(sweep, monkeypatch):
+    """One read per family (CHUNK_ROWS = 1) still scans the results three times: the
+    sequences, one row per configuration, one sorted copy of the rows; every read hits the
+    copy by its ``__chunk``. A read of the results per family (issue 28: ~40 full scans at
+    10^7 rows) fails this."""
+    from tracesim.analysis import frontier_stream
+    from tracesim.analysis.aggregate import ResultsDataset
+
+    statements: dict[str, list[str]] = {}
+    connect = ResultsDataset._connect
+
+    def recorded(self):
+        con = connect(self)
+        if isinstance(con, _Recorded):
+            return con
+        self._con = _Recorded(con, statements.setdefault(str(self.files[0]), []))
+        return self._con
+
+    monkeypatch.setattr(ResultsDataset, "_connect", recorded)
+    monkeypatch.setattr(frontier_stream, "CHUNK_ROWS", 1)
+    settings = SplitSettings.from_claim(load_prereg(PREREG).claims["C8"])
+    ds = frontier_stream.open_frontier_results(sweep)
+    try:
+        table, _, rules = frontier_stream.stream_frontier(ds, settings, None, 0.05)
+    finally:
+        ds.close()
+    assert rules and table["family"].nunique() >= 6
+    results = [s for f, log in statements.items() if "rows.parquet" not in f for s in log
+               if not s.startswith("SET ")]
+    copy = [s for f, log in statements.items() if "rows.parquet" in f for s in log]
+    assert len(results) == 3, results
+    assert sum("COPY" in s and "ORDER BY" in s for s in results) == 1
+    reads = [s for s in copy if not s.startswith("SELECT count(*)")]
+    assert len(reads) >= table["family"].nunique() and all('"__chunk" = ' in s for s in reads)
+
+
 def test_given_rules_give_the_same_frontier(sweep, tmp_path):
     run_frontier(sweep, tmp_path / "f")
     rules = tmp_path / "f" / "validity_rules.json"
