@@ -132,6 +132,8 @@ class ResultsDataset:
             con = duckdb.connect(config={
                 "memory_limit": self.memory_limit, "threads": int(self.threads),
                 "temp_directory": self._spill.name, "preserve_insertion_order": True})
+            # a long scan would otherwise draw DuckDB's progress bar into the command's output
+            con.execute("SET enable_progress_bar = false")
             # ``__row``: the row's position in the table (file, then row in file), for the
             # consumers that take the first row of a group in the table's order.
             if self._frame is not None:

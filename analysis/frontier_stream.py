@@ -257,8 +257,6 @@ def stream_frontier(ds: ResultsDataset, settings: SplitSettings,
     import tempfile
 
     columns = [c for c in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS) if c in ds]
-    # the command's output is its own: no DuckDB progress bar on it during the long scans
-    ds.connection().execute("SET enable_progress_bar = false")
     seqs = ds.query("SELECT DISTINCT CAST(\"sequence_id\" AS VARCHAR) AS s FROM results "
                     "WHERE \"sequence_id\" IS NOT NULL")["s"]
     split = split_sequences(seqs, settings.salt, settings.fraction)
