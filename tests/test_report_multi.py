@@ -138,3 +138,20 @@ def test_a_missing_or_foreign_results_input_is_refused(inputs, tmp_path, capsys)
              str(inputs / "store"))
     _refused(["--outcomes-only", held, "--results", inputs / "lengths"], tmp_path / "c",
              capsys, "give RESULTS")
+
+
+def test_a_further_input_is_verified_as_the_first(inputs, tmp_path, capsys):
+    unsigned = tmp_path / "unsigned"
+    shutil.copytree(inputs / "lengths", unsigned)
+    summary_path = unsigned / "results" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    del summary["results_sha256"]
+    summary_path.write_text(json.dumps(summary))
+    _refused([inputs / "held", "--results", unsigned], tmp_path / "a", capsys,
+             str(summary_path), "results_sha256")
+    assert _report([inputs / "held", "--results", unsigned, "--trust-unsigned"],
+                   tmp_path / "b") == 0
+    out = capsys.readouterr().out
+    assert "WARNING: unsigned: UNSIGNED RESULTS" in out
+    md = (tmp_path / "b" / "report.md").read_text()
+    assert "per-step designs: unsigned (sweep lengths)" in md
