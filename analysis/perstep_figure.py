@@ -88,14 +88,16 @@ def add_to_report(report, results: pd.DataFrame | ResultsDataset, head_dim: int 
     Computed from per-configuration sums (:mod:`tracesim.analysis.perstep_stream`), never from
     the rows: the memory is that of one row per configuration and sequence, whatever the rows.
     """
-    from tracesim.analysis.perstep_stream import by_table_from, perstep_costs_table
+    from tracesim.analysis.perstep_stream import perstep_costs_table, pooled_and_by_tables
 
     ds = results if isinstance(results, ResultsDataset) else ResultsDataset.from_frame(results)
-    table = perstep_costs_table(ds, head_dim)
     stores = (int(ds.query("SELECT count(DISTINCT \"store\") AS n FROM results")["n"].iloc[0])
               if "store" in ds else 0)
     # Stores of different lengths (a length sweep) are tabulated apart; the figure pools them.
-    shown = by_table_from(ds, "store", head_dim) if stores > 1 else table
+    if stores > 1:
+        table, shown = pooled_and_by_tables(ds, "store", head_dim)
+    else:
+        table = shown = perstep_costs_table(ds, head_dim)
     report.tables[title] = shown.to_string(index=False, float_format=lambda x: f"{x:.4g}")
     made = frontier_figure(table)
     if made is not None and stores > 1:

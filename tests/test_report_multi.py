@@ -16,7 +16,11 @@ import yaml
 from tracesim.analysis.aggregate import open_results
 from tracesim.analysis.perstep import by_table, perstep_table
 from tracesim.analysis.perstep_costs import cost_columns
-from tracesim.analysis.perstep_stream import by_table_from, perstep_costs_table
+from tracesim.analysis.perstep_stream import (
+    by_table_from,
+    perstep_costs_table,
+    pooled_and_by_tables,
+)
 from tracesim.analysis.results_io import load_results
 
 from tests.sweep_fixtures import MINI_SPEC, build_sweep_store
@@ -78,6 +82,10 @@ def test_streamed_perstep_tables_equal_the_rows_tables(inputs):
     per_store = by_table(df, "store", 8)
     _same_table(by_table_from(ds, "store", 8), per_store)
     assert list(dict.fromkeys(per_store["store"])) == ["len56", "len72"]
+    # the report's one pass: the pooled table and the per-store ones from the same group-bys
+    pooled, by_store = pooled_and_by_tables(ds, "store", 8)
+    _same_table(pooled, old)
+    _same_table(by_store, per_store)
     assert (per_store["score"] == "perstep").any()
 
 
