@@ -32,6 +32,7 @@ def _command(args: argparse.Namespace) -> int:
                                 ("adversary results", args.adversary),
                                 ("trace store", args.traces), ("tiers results", args.tiers),
                                 ("frontier results", args.frontier),
+                                *(("results", d) for d in args.more_results or ()),
                                 *(("peers results", d) for d in args.peers or ()),
                                 ("pre-registration file", args.prereg)])
         report = build_report(args.results, args.outcomes, prereg_path=args.prereg,
@@ -39,7 +40,8 @@ def _command(args: argparse.Namespace) -> int:
                               allow_prereg_change=args.allow_prereg_change,
                               tiers_dir=args.tiers, frontier_dir=args.frontier,
                               peers_dirs=args.peers or (), trust_unsigned=args.trust_unsigned,
-                              scheduler=args.scheduler)
+                              scheduler=args.scheduler,
+                              more_results=args.more_results or ())
     except (PreregChangedError, ValueError) as exc:
         print(f"tracesim report: {exc}", file=sys.stderr)
         return 2
@@ -60,12 +62,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "replay/sweep results and the in-loop outcomes, correct the p-values with Holm, and "
         "write OUT/report.md, a standalone OUT/report.html (provenance header, sample-size "
         "caveat, claims table, captioned figures), OUT/claims.json and the figures as PNG. "
-        "Refuses results produced under another pre-registration. See docs/report.md.",
-        epilog="example:\n  tracesim report sweep-out/ outcomes/ --adversary adversary/ "
-        "--traces traces/ --out report/")
+        "Refuses results produced under another pre-registration. The claims read RESULTS "
+        "only; further results (--results) are descriptive: a per-step section each. See "
+        "docs/report.md.",
+        epilog="examples:\n  tracesim report sweep-out/ outcomes/ --adversary adversary/ "
+        "--traces traces/ --out report/\n  tracesim report results/perstep-heldout --results "
+        "results/perstep-lengths --peers results/peers-held --out report/perstep-held")
     p.add_argument("results", nargs="?", default=None,
-                   help="replay or sweep output directory (default: none, with "
+                   help="replay or sweep output directory: the results the claims read "
+                   "(default: none, with "
                    "--outcomes-only; the results claims are then not evaluated)")
+    p.add_argument("--results", action="append", default=None, metavar="DIR",
+                   dest="more_results",
+                   help="a further replay or sweep output, verified as RESULTS is and reported "
+                   "in a per-step section of its own (per store for a length sweep); "
+                   "descriptive: the claims read RESULTS only; repeat for several (default: "
+                   "none)")
     p.add_argument("outcomes", nargs="?", default=None,
                    help="evict output directory (default: none; C3, C4, C6 not evaluated)")
     p.add_argument("--outcomes-only", default=None, metavar="DIR",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from tracesim.analysis.aggregate import ResultsDataset
 from tracesim.analysis.plotting import png_bytes, pyplot
 
 __all__ = ["add_to_report", "frontier_figure"]
@@ -76,22 +77,32 @@ def frontier_figure(table: pd.DataFrame, nominal: float = 0.95) -> tuple[bytes, 
     return png_bytes(fig), caption
 
 
-def add_to_report(report, results: pd.DataFrame, head_dim: int = 64) -> None:
+def add_to_report(report, results: pd.DataFrame | ResultsDataset, head_dim: int = 64, *,
+                  title: str = "per-step designs", figure: str = "perstep_frontier",
+                  label: str = "") -> None:
     """The report's per-step table (:func:`tracesim.analysis.perstep.perstep_table` with the
-    costs of
-    :func:`tracesim.analysis.perstep_costs.cost_columns`; one part per store when the results hold
-    several, as a length sweep does) and :func:`frontier_figure`."""
-    from tracesim.analysis.perstep import by_table, perstep_table
-    from tracesim.analysis.perstep_costs import cost_columns
+    costs of :func:`tracesim.analysis.perstep_costs.cost_columns`; one part per store when the
+    results hold several, as a length sweep does) and :func:`frontier_figure`, under ``title``
+    and ``figure``; ``label`` (e.g. the input's directory and sweep) opens the caption.
 
-    table = cost_columns(perstep_table(results, head_dim), results, head_dim)
-    several = "store" in results and results["store"].nunique() > 1
+    Computed from per-configuration sums (:mod:`tracesim.analysis.perstep_stream`), never from
+    the rows: the memory is that of one row per configuration and sequence, whatever the rows.
+    """
+    from tracesim.analysis.perstep_stream import perstep_costs_table, pooled_and_by_tables
+
+    ds = results if isinstance(results, ResultsDataset) else ResultsDataset.from_frame(results)
+    stores = (int(ds.query("SELECT count(DISTINCT \"store\") AS n FROM results")["n"].iloc[0])
+              if "store" in ds else 0)
     # Stores of different lengths (a length sweep) are tabulated apart; the figure pools them.
-    shown = by_table(results, "store", head_dim) if several else table
-    report.tables["per-step designs"] = shown.to_string(
-        index=False, float_format=lambda x: f"{x:.4g}")
+    if stores > 1:
+        table, shown = pooled_and_by_tables(ds, "store", head_dim)
+    else:
+        table = shown = perstep_costs_table(ds, head_dim)
+    report.tables[title] = shown.to_string(index=False, float_format=lambda x: f"{x:.4g}")
     made = frontier_figure(table)
-    if made is not None and several:
-        made = (made[0], made[1] + f" Pooled over {results['store'].nunique()} stores; the "
-                "table lists each store apart.")
-    report.add_figure("perstep_frontier", made)
+    if made is not None and stores > 1:
+        made = (made[0], made[1] + f" Pooled over {stores} stores; the table lists each store "
+                "apart.")
+    if made is not None and label:
+        made = (made[0], f"{label}: {made[1]}")
+    report.add_figure(figure, made)

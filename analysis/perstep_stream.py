@@ -19,7 +19,7 @@ from tracesim.analysis.cluster import student_quantile
 from tracesim.analysis.perstep import table_row, with_topk_ratio
 from tracesim.analysis.perstep_costs import config_costs
 
-__all__ = ["cluster_ci_from_sums", "perstep_costs_table"]
+__all__ = ["cluster_ci_from_sums", "perstep_costs_table", "pooled_and_by_tables"]
 
 _META = ("score", "score_params", "design", "budget", "sinks", "window")
 
@@ -51,13 +51,26 @@ def perstep_costs_table(ds: ResultsDataset, head_dim: int = 64,
     first = ds.query(f"SELECT CAST(\"config_id\" AS VARCHAR) AS config_id, "
                      f"{', '.join(map(quote, meta))} FROM results{cond} QUALIFY row_number() "
                      "OVER (PARTITION BY \"config_id\" ORDER BY __row) = 1 ORDER BY __row")
-    values = ["err2", "kept_tokens", *(["n_positions"] if "n_positions" in ds else [])]
-    means = ds.sums(["config_id"], values, where).set_index("config_id")
+    means = ds.sums(["config_id"], _mean_columns(ds), where)
     cells = ds.sums(["config_id", "sequence_id"], ["wald_cov", "wald_t_cov"], where)
     heads = ds.query(f"SELECT count(DISTINCT \"kv_head\") AS kv, count(DISTINCT \"head\") AS h "
                      f"FROM results{cond}")
-    n_kv = int(heads["kv"].iloc[0])
-    G = int(heads["h"].iloc[0]) // max(n_kv, 1)
+    return _table_from_sums(first, means, cells, int(heads["kv"].iloc[0]),
+                            int(heads["h"].iloc[0]), head_dim)
+
+
+def _mean_columns(ds: ResultsDataset) -> list[str]:
+    return ["err2", "kept_tokens", *(["n_positions"] if "n_positions" in ds else [])]
+
+
+def _table_from_sums(first: pd.DataFrame, means: pd.DataFrame, cells: pd.DataFrame,
+                     n_kv: int, n_heads: int, head_dim: int) -> pd.DataFrame:
+    """:func:`perstep_costs_table` from its aggregates: ``first`` (one row per configuration,
+    in the order of their first row), ``means`` (:meth:`ResultsDataset.sums` by
+    configuration), ``cells`` (by configuration and sequence) and the head counts."""
+    values = [c[len("sum_"):] for c in means.columns if c.startswith("sum_")]
+    means = means.set_index("config_id")
+    G = n_heads // max(n_kv, 1)
     by_config = dict(tuple(cells.groupby("config_id", sort=False)))
     rows, costs = [], []
     for r in first.itertuples(index=False):
@@ -78,6 +91,43 @@ def perstep_costs_table(ds: ResultsDataset, head_dim: int = 64,
                                   head_dim))
     table = with_topk_ratio(pd.DataFrame(rows))
     return pd.concat([table.reset_index(drop=True), pd.DataFrame(costs)], axis=1)
+
+
+def pooled_and_by_tables(ds: ResultsDataset, column: str,
+                         head_dim: int = 64) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(perstep_costs_table(ds), by_table_from(ds, column))`` from one set of group-bys
+    keyed by ``column`` as well (four scans of the rows, not four per value plus four): the
+    pooled aggregates are the per-value ones summed. Rows whose ``column`` is null are in the
+    pooled table only, so with any such row the two are computed apart."""
+    col = quote(column)
+    heads = ds.query(f"SELECT DISTINCT {col} AS v, \"kv_head\" AS kv, \"head\" AS h FROM results")
+    if heads["v"].isna().any():
+        return perstep_costs_table(ds, head_dim), by_table_from(ds, column, head_dim)
+    meta = [c for c in _META if c in ds]
+    first = ds.query(f"SELECT {col} AS __by, CAST(\"config_id\" AS VARCHAR) AS config_id, "
+                     f"{', '.join(map(quote, meta))}, __row FROM results QUALIFY row_number() "
+                     f"OVER (PARTITION BY {col}, \"config_id\" ORDER BY __row) = 1 "
+                     "ORDER BY __row")
+    means = ds.sums([f"{col} AS __by", "config_id"], _mean_columns(ds))
+    cells = ds.sums([f"{col} AS __by", "config_id", "sequence_id"], ["wald_cov", "wald_t_cov"])
+    sums_of = [c for c in means.columns if c not in ("__by", "config_id")]
+    pooled = _table_from_sums(
+        first.drop_duplicates("config_id").drop(columns=["__by", "__row"]),
+        means.groupby("config_id", sort=False, as_index=False)[sums_of].sum(),
+        cells.groupby(["config_id", "sequence_id"], sort=False, as_index=False)[
+            ["n_wald_cov", "sum_wald_cov", "n_wald_t_cov", "sum_wald_t_cov"]].sum(),
+        int(heads["kv"].nunique()), int(heads["h"].nunique()), head_dim)
+    parts = []
+    for value in dict.fromkeys(first["__by"]):
+        t = _table_from_sums(
+            first.loc[first["__by"] == value].drop(columns=["__by", "__row"]),
+            means.loc[means["__by"] == value].drop(columns="__by"),
+            cells.loc[cells["__by"] == value].drop(columns="__by"),
+            int(heads.loc[heads["v"] == value, "kv"].nunique()),
+            int(heads.loc[heads["v"] == value, "h"].nunique()), head_dim)
+        t.insert(0, column, value)
+        parts.append(t)
+    return pooled, pd.concat(parts, ignore_index=True)
 
 
 def config_order(ds: ResultsDataset, where: str | None = None) -> list[str]:

@@ -9,13 +9,15 @@ sequence — into a tier and a sentence the report prints at the top.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-__all__ = ["SAMPLE_TIERS", "Provenance", "collect_provenance", "sample_size_caveat"]
+__all__ = ["SAMPLE_TIERS", "Provenance", "collect_provenance", "sample_size_caveat",
+           "summary_head_dim"]
 
 #: (smallest n, tier, what the numbers can support). n counts sequences: the independent units.
 SAMPLE_TIERS: tuple[tuple[int, str, str], ...] = (
@@ -74,6 +76,24 @@ def _store_model(path: str | Path | None) -> dict[str, Any] | None:
         return None
 
 
+def _summary_stores(summary: dict[str, Any] | None) -> list[Any]:
+    """The store paths a results summary names (a sweep's ``stores``, a replay's ``store``)."""
+    if not summary:
+        return []
+    stores = [s.get("path") for s in summary.get("stores", []) if isinstance(s, dict)]
+    return [*stores, summary.get("store")]
+
+
+def summary_head_dim(summary: dict[str, Any] | None) -> int | None:
+    """The head dimension of the model whose store a results summary names (None: no store
+    found), for the cost columns of a results input other than the first."""
+    for s in _summary_stores(summary):
+        model = _store_model(s)
+        if model and model.get("head_dim"):
+            return int(model["head_dim"])
+    return None
+
+
 def _seeds(summary: dict[str, Any] | None, df: pd.DataFrame, column: str) -> str | None:
     s = (summary or {}).get("seeds")
     if isinstance(s, list) and s:
@@ -124,17 +144,17 @@ def _result_facts(results) -> dict[str, Any]:
 def collect_provenance(results: Any, summary_r: dict[str, Any] | None,
                        outcomes: pd.DataFrame | None, summary_o: dict[str, Any] | None, *,
                        prereg_sha256: str, prereg_name: str, prereg_matches: bool,
-                       traces_dir: str | Path | None = None) -> Provenance:
-    """Build the provenance header from whatever inputs the report was given."""
+                       traces_dir: str | Path | None = None,
+                       results_inputs: Sequence[tuple[str, int, str]] = ()) -> Provenance:
+    """Build the provenance header from whatever inputs the report was given;
+    ``results_inputs`` are the results directories as ``(label, rows, sha256)``, the first
+    the one the claims read."""
     from tracesim.version import __version__
 
     facts = _result_facts(results)
     res = facts.pop("per_sequence")
     out = outcomes if outcomes is not None else pd.DataFrame()
-    stores = []
-    if summary_r:
-        stores += [s.get("path") for s in summary_r.get("stores", []) if isinstance(s, dict)]
-        stores.append(summary_r.get("store"))
+    stores = _summary_stores(summary_r)
     if summary_o:
         stores.append(summary_o.get("store"))
     model = _store_model(traces_dir)
@@ -186,6 +206,9 @@ def collect_provenance(results: Any, summary_r: dict[str, Any] | None,
     produced = (summary_r or {}).get("version")
     rows.append(("tracesim version", f"{__version__} (report)" + (
         f", {produced} (results)" if produced and produced != __version__ else "")))
+    for i, (label, n_rows, sha) in enumerate(results_inputs):
+        rows.append(("results (the claims read it)" if i == 0 else "results (descriptive)",
+                     f"{label}: {n_rows:,} rows, {sha}"))
     rows.append(("pre-registration", f"{prereg_name} {prereg_sha256}"
                  + ("" if prereg_matches else " — CHANGED after the results were produced")))
     n_units = [d["sequence_id"].nunique() for d in (res, out) if "sequence_id" in d]

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 from tracesim.analysis.aggregate import open_results
@@ -34,10 +33,16 @@ from tracesim.analysis.fetch import split_fetch_outcomes
 from tracesim.analysis.multiplicity import holm
 from tracesim.analysis.perstep_figure import add_to_report as add_perstep_frontier
 from tracesim.analysis.prereg import Preregistration, check_prereg_hash, load_prereg
-from tracesim.analysis.provenance import Provenance, collect_provenance
+from tracesim.analysis.provenance import Provenance, collect_provenance, summary_head_dim
+from tracesim.analysis.report_inputs import (
+    ResultsInput,
+    describe_input,
+    open_further_results,
+    recorded_prereg_hash,
+)
 from tracesim.analysis.report_parts import (
     PEERS_TABLE,
-    PERSTEP_COLUMNS,
+    PERSTEP_TABLE,
     add_fetch,
     add_outcome_parts,
     add_replay_parts,
@@ -54,17 +59,11 @@ from tracesim.analysis.results_io import (
 )
 from tracesim.analysis.verify_inputs import check_adversary, verify_traces
 
+from tracesim.errors import UsageError
 from tracesim.plugins import provenance
 from tracesim.registry import CLAIM_REGISTRY
 
 __all__ = ["Report", "build_report", "load_results", "write_report"]
-
-
-def _recorded_hash(summary: dict[str, Any] | None) -> str | None:
-    if not summary:
-        return None
-    pre = summary.get("prereg")
-    return pre.get("sha256") if isinstance(pre, dict) else summary.get("prereg_sha256")
 
 
 @dataclass
@@ -101,7 +100,8 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                  tiers_dir: str | Path | None = None,
                  frontier_dir: str | Path | None = None,
                  peers_dirs: Sequence[str | Path] = (),
-                 trust_unsigned: bool = False, scheduler: str | None = None) -> Report:
+                 trust_unsigned: bool = False, scheduler: str | None = None,
+                 more_results: Sequence[str | Path] = ()) -> Report:
     """Evaluate every claim of the claims table (:mod:`tracesim.analysis.claim_registry`) on the
     given
     results.
@@ -116,18 +116,30 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     Dask scheduler) computes the results' aggregates with Dask instead of DuckDB
     (:class:`tracesim.analysis.aggregate.ResultsDataset`). A claim whose inputs
     are absent is listed as ``not evaluated`` with the input it lacks.
+
+    ``more_results`` are further results directories (``--results``), verified as
+    ``results_dir`` is (:mod:`tracesim.analysis.report_inputs`) and drawn in a per-step
+    section each; they are descriptive: the claims read ``results_dir`` only.
     """
     prereg = load_prereg(prereg_path)
     if traces_dir is not None:
         verify_traces(traces_dir)  # before any claim reads it
     results = summary_r = outcomes = summary_o = None
     load_notes: list[str] = []
+    inputs_r: list[ResultsInput] = []
+    if more_results and results_dir is None:
+        raise UsageError("--results DIR adds descriptive results beside RESULTS: give RESULTS "
+                         "(the results the claims read) first")
     if results_dir is not None:
         # verified part by part, never read whole: each claim, table and figure asks DuckDB
         # for its aggregates or its own rows (tracesim.analysis.aggregate)
         results = open_results(results_dir, trust_unsigned=trust_unsigned, notes=load_notes,
                                scheduler=scheduler)
         summary_r = results.summary
+        inputs_r = [describe_input(results_dir, results)]
+        inputs_r += open_further_results(
+            more_results, inputs_r[0], prereg=prereg, allow_prereg_change=allow_prereg_change,
+            trust_unsigned=trust_unsigned, scheduler=scheduler, notes=load_notes)
     if outcomes_dir is not None:
         outcomes, summary_o = load_outcomes(outcomes_dir, trust_unsigned=trust_unsigned,
                                             notes=load_notes)
@@ -136,7 +148,7 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
     unrecorded = []
     for name, summary in (("results", summary_r), ("outcomes", summary_o)):
         if summary is not None or (name == "results" and results is not None):
-            recorded = _recorded_hash(summary)
+            recorded = recorded_prereg_hash(summary)
             if recorded is None:  # nothing recorded is not a change: say what it is
                 unrecorded.append(name)
                 continue
@@ -149,7 +161,13 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
                      for name in unrecorded]
     report.provenance = collect_provenance(
         results, summary_r, outcomes, summary_o, prereg_sha256=prereg.sha256,
-        prereg_name=prereg.path.name, prereg_matches=matches, traces_dir=traces_dir)
+        prereg_name=prereg.path.name, prereg_matches=matches, traces_dir=traces_dir,
+        results_inputs=[(i.label, i.dataset.n_rows, i.sha256) for i in inputs_r])
+    if len(inputs_r) > 1:
+        report.notes.append(
+            f"NOTE: the claims read RESULTS ({inputs_r[0].label}) only; the further results ("
+            + ", ".join(i.label for i in inputs_r[1:]) + ") are descriptive: a per-step "
+            "section each, no claim.")
     if not matches:
         report.notes.append("WARNING: the pre-registration changed after these results were "
                             "produced; reported anyway because --allow-prereg-change was given.")
@@ -185,10 +203,11 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
         add_replay_parts(report, inputs, claims, fdir)
     if inputs.given("outcomes"):
         add_outcome_parts(report, inputs)
-    res = inputs.results
-    if not res.empty and "score" in res and has_perstep(res):
-        add_perstep_frontier(report, res.read(PERSTEP_COLUMNS),
-                             report.provenance.head_dim or 64)
+    head_dim = report.provenance.head_dim or 64
+    for i, inp in enumerate(inputs_r):
+        _add_perstep_section(report, inp, i, len(inputs_r) > 1,
+                             head_dim if i == 0 else summary_head_dim(inp.dataset.summary)
+                             or head_dim)
     if not peers.empty:
         report.tables[PEERS_TABLE] = peers_table(peers)
     if not fetch_df.empty:
@@ -209,6 +228,24 @@ def build_report(results_dir: str | Path | None, outcomes_dir: str | Path | None
 
 
 PREREG_NAME = "data/prereg.yaml"
+
+
+def _add_perstep_section(report: Report, inp: ResultsInput, index: int, labelled: bool,
+                         head_dim: int) -> None:
+    """Input ``index``'s per-step table and figure (the first input's under the usual title),
+    from per-configuration sums; a further input without per-step rows gets a note."""
+    ds = inp.dataset
+    if ds.empty or "score" not in ds or not has_perstep(ds):
+        if index > 0:
+            report.notes.append(f"NOTE: {inp.label} holds no per-step design's rows: no "
+                                "per-step section for it.")
+        return
+    if index == 0:
+        add_perstep_frontier(report, ds, head_dim, label=inp.label if labelled else "")
+    else:
+        add_perstep_frontier(report, ds, head_dim, title=f"{PERSTEP_TABLE}: {inp.label}",
+                             figure=f"perstep_frontier_{index + 1}_{inp.slug}",
+                             label=inp.label)
 
 
 def _evaluate(inputs: ClaimInputs) -> dict[str, ClaimResult]:

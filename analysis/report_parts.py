@@ -20,14 +20,21 @@ from tracesim.analysis.fetch import compare_fetch, fetch_figure, fetch_table
 if TYPE_CHECKING:
     from tracesim.analysis.report import Report
 
-__all__ = ["LEAD_TABLES", "PEERS_TABLE", "PERSTEP_COLUMNS", "PERSTEP_TABLE", "add_fetch",
-           "add_outcome_parts", "add_replay_parts", "add_tiers", "has_perstep", "peers_table"]
+__all__ = ["LEAD_TABLES", "PEERS_TABLE", "PERSTEP_TABLE", "add_fetch", "add_outcome_parts",
+           "add_replay_parts", "add_tiers", "has_perstep", "lead_tables", "peers_table"]
 
 
 #: Tables printed first, right after the provenance: what the per-step designs measured, with
 #: the prefill designs (in the same table) and the peers beside them.
 PERSTEP_TABLE, PEERS_TABLE = "per-step designs", "peers on the same steps"
 LEAD_TABLES = (PERSTEP_TABLE, PEERS_TABLE)
+
+
+def lead_tables(titles: list[str]) -> list[str]:
+    """The titles printed first, in order: the first results' per-step table, each further
+    results input's (``per-step designs: DIR (sweep NAME)``, in the order given), the peers."""
+    further = [t for t in titles if t.startswith(f"{PERSTEP_TABLE}: ")]
+    return [t for t in (PERSTEP_TABLE, *further, PEERS_TABLE) if t in titles]
 
 
 def peers_table(peers: pd.DataFrame) -> str:
@@ -39,13 +46,6 @@ def peers_table(peers: pd.DataFrame) -> str:
         rows=("config_id", "size"),
         **{name: (col, "mean") for name, col in wanted.items() if col in peers})
     return agg.to_string(float_format=lambda x: f"{x:.4g}")
-
-
-#: Columns the per-step table and figure read (:func:`tracesim.analysis.perstep.perstep_table`,
-#: :func:`tracesim.analysis.perstep_costs.cost_columns`).
-PERSTEP_COLUMNS = ("store", "config_id", "score", "score_params", "design", "budget",
-                   "sequence_id", "wald_cov", "wald_t_cov", "err2", "kept_tokens",
-                   "n_positions", "head", "kv_head", "sinks", "window")
 
 
 def has_perstep(results) -> bool:

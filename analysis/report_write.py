@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tracesim.analysis.claim_registry import claims_table
-from tracesim.analysis.report_parts import LEAD_TABLES
+from tracesim.analysis.report_parts import lead_tables
 
 if TYPE_CHECKING:
     from tracesim.analysis.report import Report
@@ -52,7 +52,7 @@ def _write_report(report: Report, out: Path, write) -> Path:
     md += [f"Pre-registration: `{report.prereg.path.name}` ({report.prereg.sha256[:19]}…), "
            f"Holm across claims at α = {report.prereg.alpha}.", ""]
     md += [f"> {n}" for n in report.notes]
-    lead = {t: report.tables[t] for t in LEAD_TABLES if t in report.tables}
+    lead = {t: report.tables[t] for t in lead_tables(list(report.tables))}
     rest = {t: v for t, v in report.tables.items() if t not in lead}
     for title, text in lead.items():
         md += [f"## {title}", "", "```", text, "```", ""]
