@@ -27,7 +27,7 @@ Usage::
 
     tracesim sweep data/sweeps/example.yaml --out SWEEP          # a real sweep (~550k rows)
     python benchmarks/bench_readers_scale.py SWEEP --rows 1e6 1e7 [--readers report frontier]
-        [--work DIR] [--dask] [--json]
+        [--work DIR] [--dask] [--cap-mb MB] [--json]
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ def main() -> None:
     ap.add_argument("--perstep-by", default=None, metavar="COLUMN",
                     help="perstep's --by (the example sweep needs allocator: its top-k "
                     "baselines differ by allocator)")
+    ap.add_argument("--cap-mb", type=float, default=None,
+                    help="kill a reader whose process tree holds more than this resident memory "
+                    "(MB) and report it as killed at the cap (for earlier versions that load "
+                    "the whole table)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     readers = list(args.readers) + (["report-dask"] if args.dask
@@ -107,7 +111,7 @@ def main() -> None:
             load = os.getloadavg()[0]
             cpu = _children_cpu()
             res = run_tree(reader_command(reader, d, out, args.perstep_by),
-                           work / f"{reader}-{copies}.stderr")
+                           work / f"{reader}-{copies}.stderr", args.cap_mb)
             res.update(reader=reader, rows=rows, load_avg_1m=round(load, 2),
                        cpu_s=round(_children_cpu() - cpu, 1),
                        rows_per_s=round(rows / res["seconds"]) if res["rc"] == 0 else None)

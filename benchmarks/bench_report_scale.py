@@ -30,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -124,30 +125,50 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _hwm_kb(pid: int) -> int | None:
+def _status_kb(pid: int, field: str) -> int | None:
+    """A ``kB`` field of ``/proc/PID/status`` (``VmHWM:``, ``VmRSS:``), or None if gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1])
     except OSError:
         return None
     return None
 
 
-def run_tree(cmd: list[str], log: Path) -> dict:
-    """Run ``cmd``; its exit code, seconds and the peak VmHWM of its process tree."""
+def _hwm_kb(pid: int) -> int | None:
+    return _status_kb(pid, "VmHWM:")
+
+
+def run_tree(cmd: list[str], log: Path, cap_mb: float | None = None) -> dict:
+    """Run ``cmd``; its exit code, seconds and the peak VmHWM of its process tree.
+
+    With ``cap_mb``, the tree is killed once its resident memory (VmRSS summed over the
+    tree) exceeds ``cap_mb``: a reader that needs more than the machine has is shown to fail
+    at the cap instead of taking the machine down (``rc`` is then ``"killed at cap"``).
+    """
     t0 = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=fh)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=fh,
+                                start_new_session=cap_mb is not None)
     peaks: dict[int, int] = {}
+    capped = False
     while proc.poll() is None:
+        rss = 0
         for pid in _tree(proc.pid):
             kb = _hwm_kb(pid)
             if kb is not None:
                 peaks[pid] = max(peaks.get(pid, 0), kb)
+            rss += _status_kb(pid, "VmRSS:") or 0
+        if cap_mb is not None and rss / 1024 > cap_mb:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            capped = True
+            break
         time.sleep(0.2)
     err = log.read_text()
-    return {"rc": proc.returncode, "seconds": round(time.perf_counter() - t0, 2),
+    rc: int | str = "killed at cap" if capped else proc.returncode
+    return {"rc": rc, "seconds": round(time.perf_counter() - t0, 2),
             "peak_mb": round(sum(peaks.values()) / 1024, 1), "processes": len(peaks),
             "stderr_tail": err.strip().splitlines()[-1:] if proc.returncode else []}
 
