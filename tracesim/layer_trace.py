@@ -206,33 +206,56 @@ class LayerTrace:
 
     def _attention_rows(self, head: int, indices) -> list[np.ndarray]:
         """:meth:`attention` of several queries of one head; the missing rows in one kernel call."""
-        idx = [int(i) for i in indices]
-        missing = sorted({i for i in idx if (head, i) not in self._attention_cache})
-        if missing:
-            # compiled: one pass per row, no full-size temporaries (imported here so that
-            # reading a trace does not load numba)
-            from tracesim.kernels.attention import LogitRule
-            from tracesim.kernels.attention_rows import softmax_rows
+        idx = self._query_indices(indices)
+        self._compute_rows([head], idx)
+        return [self._attention_cache[(int(head), i)] for i in idx]
 
-            rows = np.zeros((len(missing), self.n_positions))
-            rule = LogitRule(float(self.scale), float(self.softcap or 0.0),
-                             int(self.window or 0))
-            sink = -np.inf if self.sinks is None else float(self.sinks[head])
-            keys = np.ascontiguousarray(self.keys[head // self.group_size], dtype=np.float64)
-            queries = np.ascontiguousarray(self.queries[head, missing], dtype=np.float64)
-            softmax_rows(keys, queries, self.query_positions[missing].astype(np.int64), rule,
-                         sink, rows)
-            for j, i in enumerate(missing):
-                self._attention_cache[(head, i)] = rows[j]
-        return [self._attention_cache[(head, i)] for i in idx]
+    def _query_indices(self, indices) -> list[int]:
+        """``indices`` into the stored queries as non-negative ints (the kernel does not check
+        its indices)."""
+        nq = self.query_positions.size
+        idx = [int(i) for i in indices]
+        for i in idx:
+            if not -nq <= i < nq:
+                raise IndexError(f"stored query {i}: outside the {nq} stored queries")
+        return [i + nq if i < 0 else i for i in idx]
+
+    def _compute_rows(self, heads, idx: list[int]) -> None:
+        """Compute and cache the missing attention rows of ``heads`` x ``idx`` (non-negative
+        indices) in one call, in parallel over the rows when there is enough work."""
+        missing = [(int(h), i) for h in heads for i in sorted(set(idx))
+                   if (int(h), i) not in self._attention_cache]
+        if not missing:
+            return
+        for h, _ in missing:
+            if not 0 <= h < self.n_heads:
+                raise IndexError(f"query head {h}: outside the {self.n_heads} heads")
+        # compiled: one pass per row, no full-size temporaries (imported here so that reading
+        # a trace does not load numba)
+        from tracesim.kernels.attention import LogitRule
+        from tracesim.kernels.attention_rows import head_rows
+
+        rows = np.zeros((len(missing), self.n_positions))
+        rule = LogitRule(float(self.scale), float(self.softcap or 0.0), int(self.window or 0))
+        sinks = (np.full(self.n_heads, -np.inf) if self.sinks is None
+                 else np.asarray(self.sinks, dtype=np.float64))
+        head_rows(np.ascontiguousarray(self.keys, dtype=np.float64),
+                  np.ascontiguousarray(self.queries, dtype=np.float64),
+                  np.array([h for h, _ in missing], dtype=np.int64),
+                  np.array([i for _, i in missing], dtype=np.int64),
+                  np.ascontiguousarray(self.query_positions, dtype=np.int64), rule, sinks, rows)
+        for j, key in enumerate(missing):
+            self._attention_cache[key] = rows[j]
 
     def group_attention(self, kv_head: int, indices: np.ndarray) -> np.ndarray:
         """Mean attention over the group's heads and the given queries, shape (P,)."""
         acc = np.zeros(self.n_positions)
         heads = self.group(kv_head)
+        idx = self._query_indices(indices)
+        self._compute_rows(heads, idx)  # the whole group's rows in one call
         for h in heads:
-            for row in self._attention_rows(h, indices):
-                acc += row
+            for i in idx:
+                acc += self._attention_cache[(h, i)]
         return acc / max(1, len(heads) * len(indices))
 
     def perturbation_uniforms(self, seed: int, kv_head: int, end: int) -> np.ndarray:

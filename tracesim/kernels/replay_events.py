@@ -155,47 +155,62 @@ def estimate_block(E, Vg, qrows, g, G, kept_idx, m, inv):
 
 
 @nb.njit(cache=True)
-def _exp_logits_job(job, Q, K, qpos, scale, G, E):
-    H, NQ, d = Q.shape
-    P = K.shape[1]
-    h = job // NQ
+def _exp_logits_job(job, Q, KT, qpos, scale, g, G, E):
+    """Row ``(h, q)`` of query head ``h = g G + job // NQ``, ``q = job % NQ`` against the keys
+    ``KT`` (d, P) of KV head ``g``, transposed.
+
+    Each dot product is summed in the order ``k = 0 .. d-1`` as a plain loop over ``k`` would
+    (the loop over positions is the inner one, so the compiler vectorises across positions
+    without reassociating any sum): the logits are the same bits as the position-by-position
+    loop, which summed one dependent chain per key (``docs/replay.md``, fourth pass: 1.6x less
+    CPU time at d = 64, the rest being the ``exp`` calls).
+    """
+    NQ = Q.shape[1]
+    d, P = KT.shape
+    h = g * G + job // NQ
     q = job % NQ
-    g = h // G
-    n = min(qpos[q] + 1, P)
+    n = max(min(qpos[q] + 1, P), 0)
+    acc = np.zeros(n)  # float64 sums, also when Q and K are float32
+    for k in range(d):
+        qk = Q[h, q, k]
+        for p in range(n):
+            acc[p] += qk * KT[k, p]
     top = -np.inf
+    row = E[h, q]
     for p in range(n):
-        acc = 0.0
-        for k in range(d):
-            acc += Q[h, q, k] * K[g, p, k]
-        acc *= scale
-        E[h, q, p] = acc
-        top = max(top, acc)
+        a = acc[p] * scale
+        row[p] = a
+        top = max(top, a)
     for p in range(n):
-        E[h, q, p] = np.exp(E[h, q, p] - top)
+        row[p] = np.exp(row[p] - top)
     for p in range(n, P):
-        E[h, q, p] = 0.0
+        row[p] = 0.0
 
 
 @nb.njit(cache=True, parallel=True)
-def _exp_logits_par(Q, K, qpos, scale, G, E):
-    for job in nb.prange(Q.shape[0] * Q.shape[1]):
-        _exp_logits_job(job, Q, K, qpos, scale, G, E)
+def _exp_logits_par(Q, KT, qpos, scale, g, G, E):
+    for job in nb.prange(G * Q.shape[1]):
+        _exp_logits_job(job, Q, KT, qpos, scale, g, G, E)
 
 
 @nb.njit(cache=True)
-def _exp_logits_ser(Q, K, qpos, scale, G, E):
-    for job in range(Q.shape[0] * Q.shape[1]):
-        _exp_logits_job(job, Q, K, qpos, scale, G, E)
+def _exp_logits_ser(Q, KT, qpos, scale, g, G, E):
+    for job in range(G * Q.shape[1]):
+        _exp_logits_job(job, Q, KT, qpos, scale, g, G, E)
 
 
 def exp_logits_kernel(Q, K, qpos, scale, G, E) -> None:
     """``E[h, q, p] = exp(s - max_p s)`` with ``s = scale q.k_p`` for ``p <= qpos[q]``, else 0.
 
-    ``Q`` (H, NQ, d), ``K`` (n_kv, P, d); query head h uses KV head ``h // G``. Small layers
-    run serially (see :data:`SERIAL_BELOW`); every job computes the same either way.
+    ``Q`` (H, NQ, d), ``K`` (n_kv, P, d); query head h uses KV head ``h // G``. One KV head at
+    a time: its keys are transposed (a copy of one head's keys), then its group's rows are
+    computed, in parallel over the rows unless the group's work is small (see
+    :data:`SERIAL_BELOW`); every row computes the same either way.
     """
-    work = Q.shape[0] * Q.shape[1] * K.shape[1] * Q.shape[2]
-    (_exp_logits_ser if work < SERIAL_BELOW else _exp_logits_par)(Q, K, qpos, scale, G, E)
+    work = G * Q.shape[1] * K.shape[1] * Q.shape[2]
+    fn = _exp_logits_ser if work < SERIAL_BELOW else _exp_logits_par
+    for g in range(K.shape[0]):
+        fn(Q, np.ascontiguousarray(K[g].T), qpos, scale, g, G, E)
 
 
 def check_exp_range(E: np.ndarray, qpos: np.ndarray, where: str, head0: int = 0,
