@@ -59,7 +59,7 @@ def _load_manifest(results_dir: Path) -> dict[str, Any]:
     from tracesim.safeio import read_json
 
     path = results_dir / MANIFEST_FILE
-    doc = read_json(path, "results manifest", limit=MAX_MANIFEST_BYTES)
+    doc = read_json(path, "results manifest", limit=MAX_MANIFEST_BYTES, intern=True)
     if not isinstance(doc, dict):
         raise UsageError(f"{path}: expected a JSON object at the top level")
     if doc.get("format") != DATASET_FORMAT:
