@@ -172,11 +172,17 @@ class ResultsDataset:
         import pyarrow as pa
 
         con = self._connect()
-        if total is None:
-            return _frame(con.sql(sql).to_arrow_table())
         rel = con.sql(sql)
         reader = (rel.to_arrow_reader(READ_BATCH_ROWS) if hasattr(rel, "to_arrow_reader")
                   else rel.fetch_record_batch(READ_BATCH_ROWS))
+        if total is None:
+            # batch by batch, each batch's text turned into shared str objects before the next
+            # arrives: a result of many groups (one per sequence and configuration, ...) never
+            # holds every row's text as Arrow does
+            frames = [_frame(pa.Table.from_batches([b])) for b in reader]
+            if not frames:
+                return _frame(reader.schema.empty_table())
+            return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
         # Each column is one array of the result's length, filled batch by batch: no list of
         # pieces and no concatenation, so a read peaks at its result plus one batch.
         out: dict[str, np.ndarray] = {}

@@ -152,33 +152,51 @@ def c7_clusters(results, batch_rows: int = READ_BATCH_ROWS
     one (sequence, configuration) cluster at a time in sorted key order, each cluster's rows in
     the table's order (its random gate draws a permutation of them).
 
-    DuckDB sorts the filtered rows (out of core, under the memory limit) and they arrive in
-    batches: memory holds one batch and one cluster, never the table. The random gate needs
-    each row of a cluster, so this is the one claim input that is rows, not sums.
+    The clusters are numbered in their sorted key order first (one row per cluster); DuckDB
+    then sorts the filtered rows by that number and the row's position (numbers only, out of
+    core, under the memory limit) and they arrive in batches: memory holds one batch and one
+    cluster, never the table and never a row's text. The random gate needs each row of a
+    cluster, so this is the one claim input that is rows, not sums.
     """
     ds = _as_dataset(results)
-    cols = ["sequence_id", "config_id", "err2", "cert2", "query_position", "prompt_length"]
-    if ds.empty or not {"design", "query_role", *cols} <= set(ds.columns):
+    cols = ["err2", "cert2", "query_position", "prompt_length"]
+    if ds.empty or not {"design", "query_role", "sequence_id", "config_id", *cols} <= set(
+            ds.columns):
         return
-    keys = ["sequence_id", "config_id"]
-    sql = (f"SELECT {', '.join(map(quote, cols))} FROM results WHERE {certified_where()} AND "
-           "\"design\" = 'poisson' AND \"query_role\" = 'decode' AND \"sequence_id\" IS NOT "
-           "NULL AND \"config_id\" IS NOT NULL ORDER BY \"sequence_id\", \"config_id\", __row")
-    rel = ds.connection().sql(sql)
-    reader = (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
-              else rel.fetch_record_batch(batch_rows))
-    carry: pd.DataFrame | None = None
-    for batch in reader:
-        frame = batch.to_pandas()
-        if carry is not None:
-            frame = pd.concat([carry, frame], ignore_index=True)
-        last = (frame["sequence_id"].iloc[-1], frame["config_id"].iloc[-1])
-        tail = (frame["sequence_id"] == last[0]) & (frame["config_id"] == last[1])
-        done, carry = frame[~tail], frame[tail]
-        for (sid, cfg), g in done.groupby(keys, sort=False):
-            yield sid, cfg, g
-    if carry is not None and len(carry):
-        yield carry["sequence_id"].iloc[0], carry["config_id"].iloc[0], carry
+    where = (f"{certified_where()} AND \"design\" = 'poisson' AND \"query_role\" = 'decode' "
+             "AND \"sequence_id\" IS NOT NULL AND \"config_id\" IS NOT NULL")
+    con = ds.connection()
+    con.execute("CREATE OR REPLACE TEMP TABLE c7_keys AS SELECT \"sequence_id\", \"config_id\", "
+                "(row_number() OVER (ORDER BY \"sequence_id\", \"config_id\") - 1)::BIGINT AS k "
+                f"FROM (SELECT DISTINCT \"sequence_id\", \"config_id\" FROM results WHERE {where})")
+    keys = con.sql("SELECT \"sequence_id\", \"config_id\" FROM c7_keys ORDER BY k").fetchall()
+    reader = _stream(con, f"SELECT c7_keys.k, {', '.join(quote(c) for c in cols)} FROM results "
+                     f"JOIN c7_keys USING (\"sequence_id\", \"config_id\") WHERE {where} "
+                     "ORDER BY c7_keys.k, results.__row", batch_rows)
+    carry: dict[str, np.ndarray] | None = None
+    try:
+        for batch in reader:
+            part = {name: batch.column(i).to_numpy(zero_copy_only=False)
+                    for i, name in enumerate(["k", *cols])}
+            if carry is not None:
+                part = {c: np.concatenate([carry[c], part[c]]) for c in part}
+            k = part["k"]
+            # cluster boundaries; the last cluster may go on in the next batch
+            starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+            for a, b in zip(starts[:-1], starts[1:], strict=True):
+                yield (*keys[int(k[a])], pd.DataFrame({c: part[c][a:b] for c in cols}))
+            carry = {c: v[starts[-1]:] for c, v in part.items()}
+        if carry is not None and len(carry["k"]):
+            yield (*keys[int(carry["k"][0])], pd.DataFrame({c: carry[c] for c in cols}))
+    finally:
+        del reader
+        con.execute("DROP TABLE IF EXISTS c7_keys")
+
+
+def _stream(con, sql: str, batch_rows: int):
+    rel = con.sql(sql)
+    return (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
+            else rel.fetch_record_batch(batch_rows))
 
 
 def recompute_curves(results, logprobs: dict[str, np.ndarray] | None,
@@ -192,7 +210,9 @@ def recompute_curves(results, logprobs: dict[str, np.ndarray] | None,
     whole decode steps in order of the full-cache token log-prob (lowest first). The rows
     come one cluster at a time (:func:`c7_clusters`, ``read_batch_rows`` a batch).
     """
-    rows = []
+    # per cluster: its keys, its gates and one float per (budget, gate); the frame is built
+    # once at the end (no per-row dict)
+    sids, cfgs, gates, recovered = [], [], [], []
     rng = np.random.default_rng(seed)
     for sid, cfg, g in c7_clusters(results, read_batch_rows):
         err = g["err2"].to_numpy()
@@ -207,12 +227,25 @@ def recompute_curves(results, logprobs: dict[str, np.ndarray] | None,
             conf = np.where((step >= 0) & (step < lp.size), lp[np.clip(step, 0, lp.size - 1)],
                             0.0)
             order["confidence"] = np.argsort(conf, kind="stable")
+        rec = []
         for r in budgets:
             k = int(round(r * len(g)))
-            for gate, idx in order.items():
-                rows.append({"sequence_id": sid, "config_id": cfg, "budget": r, "gate": gate,
-                             "recovered": float(err[idx[:k]].sum() / total)})
-    return pd.DataFrame(rows)
+            rec += [float(err[idx[:k]].sum() / total) for idx in order.values()]
+        sids.append(sid)
+        cfgs.append(cfg)
+        gates.append(tuple(order))
+        recovered.append(np.array(rec, dtype=np.float64))
+    if not recovered:
+        return pd.DataFrame()
+    per = [len(r) for r in recovered]
+    return pd.DataFrame({
+        "sequence_id": np.repeat(np.array(sids, dtype=object), per),
+        "config_id": np.repeat(np.array(cfgs, dtype=object), per),
+        "budget": np.concatenate([np.repeat(np.asarray(budgets, dtype=np.float64), len(g))
+                                  for g in gates]),
+        "gate": np.concatenate([np.tile(np.array(g, dtype=object), len(budgets))
+                                for g in gates]),
+        "recovered": np.concatenate(recovered)})
 
 
 def evaluate_c7(curves: pd.DataFrame, prereg) -> ClaimResult:

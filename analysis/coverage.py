@@ -16,7 +16,7 @@ import numpy as np
 import statsmodels.api as sm
 from scipy import stats
 
-__all__ = ["CoverageResult", "calibration_curve", "cluster_coverage"]
+__all__ = ["CoverageResult", "calibration_counts", "calibration_curve", "cluster_coverage"]
 
 
 @dataclass(frozen=True)
@@ -126,12 +126,20 @@ def calibration_curve(
     -------
     (levels, empirical) : ndarrays of the same shape
     """
+    lv = np.linspace(0.5, 0.99, 50) if levels is None else np.asarray(levels, dtype=np.float64)
+    counts, defined = calibration_counts(standardized_error, lv)
+    if defined == 0:
+        raise ValueError("standardized_error has no finite value")
+    return lv, counts / defined
+
+
+def calibration_counts(standardized_error: np.ndarray, levels: np.ndarray
+                       ) -> tuple[np.ndarray, int]:
+    """:func:`calibration_curve`'s counts: per level, how many ``|error| / sqrt(variance)``
+    lie within ``z_{(1+level)/2}``, and how many are not NaN. Counts of batches of rows add up
+    to the counts of their union."""
     t = np.abs(np.asarray(standardized_error, dtype=np.float64))
     t = t[~np.isnan(t)]
-    if t.size == 0:
-        raise ValueError("standardized_error has no finite value")
-    lv = np.linspace(0.5, 0.99, 50) if levels is None else np.asarray(levels, dtype=np.float64)
-    q = stats.norm.ppf((1 + lv) / 2)
+    q = stats.norm.ppf((1 + np.asarray(levels, dtype=np.float64)) / 2)
     # counts of t <= q from one sort, not a (levels x rows) matrix of comparisons
-    counts = np.searchsorted(np.sort(t), q, side="right")
-    return lv, counts / t.size
+    return np.searchsorted(np.sort(t), q, side="right"), int(t.size)

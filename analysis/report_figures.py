@@ -13,12 +13,12 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 from scipy import stats
-from tracesim.analysis.coverage import calibration_curve
+from tracesim.analysis.coverage import calibration_counts as _counts
 from tracesim.analysis.plotting import png_bytes, pyplot
 
-__all__ = ["CertifiedRows", "accuracy_budget_figure", "certificate_error_figure",
-           "certified_rows", "coverage_heatmap", "coverage_level_figure", "heatmap_cells",
-           "policy_labels"]
+__all__ = ["CalibrationStats", "CertifiedRows", "DesignCalibration", "accuracy_budget_figure",
+           "calibration_stats", "certificate_error_figure", "certified_rows", "coverage_heatmap",
+           "coverage_level_figure", "heatmap_cells", "policy_labels"]
 
 #: Heatmap cells backed by fewer sequences than this are masked (grey).
 MIN_CLUSTERS = 3
@@ -60,57 +60,139 @@ class CertifiedRows(NamedTuple):
     sequences: int
 
 
+#: Nominal levels of the coverage-against-level figure.
+LEVELS = np.linspace(0.5, 0.99, 50)
+#: Edges per axis of the certificate-against-error histogram (geometric, between the limits).
+N_EDGES = 40
+#: Quantiles of the certificate that split a design's rows into the figure's deciles.
+DECILES = np.linspace(0, 1, 11)
+#: Quantiles of every positive certificate and error that set the axes (then halved/doubled).
+AXIS_QUANTILES = np.array([0.001, 0.999])
+
+
+class DesignCalibration(NamedTuple):
+    """What the two calibration figures draw of one design, reduced from its certified rows
+    with a positive certificate: counts and order statistics, no row.
+
+    ``hist`` counts the rows per cell of the figure's edges (certificate by error, each
+    clipped to the axes); ``medians`` holds (median C, median |e|) per certificate decile
+    (:data:`DECILES`, equal quantiles merged); ``ratio`` is the median of |e| / C;
+    ``covered`` counts per level of :data:`LEVELS` the rows with |e| / C <= z_{(1+level)/2}
+    out of ``defined`` rows with |e| / C defined (not NaN).
+    """
+
+    rows: int
+    sequences: int
+    hist: np.ndarray
+    medians: tuple[tuple[float, float], ...]
+    ratio: float
+    covered: np.ndarray
+    defined: int
+
+
+class CalibrationStats(NamedTuple):
+    """The calibration figures' input: the axis limits shared by every design and each
+    design's :class:`DesignCalibration` (designs with rows only)."""
+
+    lo: float
+    hi: float
+    designs: dict[str, DesignCalibration]
+
+    @property
+    def edges(self) -> np.ndarray:
+        return np.geomspace(self.lo, self.hi, N_EDGES)
+
+
 def certified_rows(results: pd.DataFrame) -> dict[str, CertifiedRows]:
     """:class:`CertifiedRows` per design (sorted) of a results table's certified rows with a
-    positive certificate and an error; the report builds the same from the dataset, one design
-    at a time, without the text columns."""
+    positive certificate and an error."""
     df = _certified(results, ["design", "cert2", "err2", "sequence_id"])
     return {str(d): CertifiedRows(g["cert2"].to_numpy(float), g["err2"].to_numpy(float),
                                   int(g["sequence_id"].nunique()))
             for d, g in df.groupby("design", sort=True)}
 
 
-def _by_design(results: pd.DataFrame | Mapping[str, CertifiedRows]
-               ) -> Mapping[str, CertifiedRows]:
-    return certified_rows(results) if isinstance(results, pd.DataFrame) else results
+def axis_limits(quantiles: np.ndarray | None) -> tuple[float, float]:
+    """The figure's axes from :data:`AXIS_QUANTILES` of the positive values (None: none)."""
+    lo, hi = quantiles if quantiles is not None else (1e-3, 1.0)
+    return lo / 2, hi * 2
+
+
+def decile_bins(c: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The certificate decile of each certificate ``c`` (``q``: the merged deciles)."""
+    return np.clip(np.searchsorted(q, c, side="right") - 1, 0, len(q) - 2)
+
+
+def calibration_counts(cert2: np.ndarray, err2: np.ndarray) -> tuple[np.ndarray, int]:
+    """Per level of :data:`LEVELS`, the rows with |e| / C <= z_{(1+level)/2}, and the rows
+    with |e| / C defined (counts add up over batches of rows)."""
+    return _counts(np.sqrt(err2 / cert2), LEVELS)
+
+
+def histogram(cert2: np.ndarray, err2: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """Counts of (C, |e|) per cell of the figure's edges, both clipped to ``[lo, hi]`` (counts
+    add up over batches of rows)."""
+    edges = np.geomspace(lo, hi, N_EDGES)
+    h, _, _ = np.histogram2d(np.clip(np.sqrt(cert2), lo, hi), np.clip(np.sqrt(err2), lo, hi),
+                             bins=[edges, edges])
+    return h
+
+
+def calibration_stats(results: pd.DataFrame | Mapping[str, CertifiedRows]
+                      ) -> CalibrationStats:
+    """:class:`CalibrationStats` of rows held in memory (a results table or
+    :func:`certified_rows` of one); the report reduces the dataset to the same numbers without
+    holding its rows (:func:`tracesim.analysis.calibration_stream.calibration_stats_of`)."""
+    by_design = certified_rows(results) if isinstance(results, pd.DataFrame) else results
+    by_design = {d: r for d, r in by_design.items() if r.cert2.size}
+    pos = []
+    for d in sorted(by_design):
+        c_d, e_d = np.sqrt(by_design[d].cert2), np.sqrt(by_design[d].err2)
+        pos += [c_d[c_d > 0], e_d[e_d > 0]]
+    pos = np.concatenate(pos) if pos else np.empty(0)
+    lo, hi = axis_limits(np.quantile(pos, AXIS_QUANTILES) if pos.size else None)
+    designs = {}
+    for d in sorted(by_design):
+        g = by_design[d]
+        c, e = np.sqrt(g.cert2), np.sqrt(g.err2)
+        q = np.unique(np.quantile(c, DECILES))
+        idx = decile_bins(c, q)
+        med = tuple((float(np.median(c[idx == k])), float(np.median(e[idx == k])))
+                    for k in range(len(q) - 1) if (idx == k).any())
+        covered, defined = calibration_counts(g.cert2, g.err2)
+        designs[d] = DesignCalibration(int(c.size), g.sequences, histogram(g.cert2, g.err2,
+                                                                           lo, hi),
+                                       med, float(np.median(e / c)), covered, defined)
+    return CalibrationStats(float(lo), float(hi), designs)
+
+
+def _stats(results) -> CalibrationStats:
+    return results if isinstance(results, CalibrationStats) else calibration_stats(results)
 
 
 def certificate_error_figure(results: pd.DataFrame | Mapping[str, CertifiedRows]
-                             ) -> tuple[bytes, str] | None:
+                             | CalibrationStats) -> tuple[bytes, str] | None:
     """Realised error |ô − o| against the certificate C = sqrt(tr V̂), log–log, with y = x.
-    ``results``: a results table, or :func:`certified_rows` of one."""
-    by_design = {d: r for d, r in _by_design(results).items() if r.cert2.size}
-    if not by_design:
+    ``results``: a results table, :func:`certified_rows` of one, or their
+    :class:`CalibrationStats`."""
+    stats_ = _stats(results)
+    if not stats_.designs:
         return None
     plt = pyplot()
-    designs = sorted(by_design)
+    designs = sorted(stats_.designs)
     fig, axes = plt.subplots(1, len(designs), figsize=(4.4 * len(designs), 4.0), squeeze=False,
                              sharex=True, sharey=True)
-    pos = []
-    for d in designs:
-        c_d, e_d = np.sqrt(by_design[d].cert2), np.sqrt(by_design[d].err2)
-        pos += [c_d[c_d > 0], e_d[e_d > 0]]
-    pos = np.concatenate(pos)  # quantiles below do not depend on the rows' order
-    lo, hi = np.quantile(pos, [0.001, 0.999]) if pos.size else (1e-3, 1.0)
-    lo, hi = lo / 2, hi * 2
-    edges = np.geomspace(lo, hi, 40)
+    lo, hi, edges = stats_.lo, stats_.hi, stats_.edges
     ratios = []
     for ax, design in zip(axes[0], designs, strict=True):
-        g = by_design[design]
-        c = np.sqrt(g.cert2)
-        e = np.sqrt(g.err2)
-        e_plot = np.clip(e, lo, hi)
-        h, _, _ = np.histogram2d(np.clip(c, lo, hi), e_plot, bins=[edges, edges])
+        g = stats_.designs[design]
+        h = g.hist
         ax.pcolormesh(edges, edges, np.ma.masked_equal(h.T, 0), cmap="Greys",
                       norm=_log_norm(h.max()))
         ax.plot([lo, hi], [lo, hi], "r-", lw=1, label="y = x")
         # Median realised error per certificate decile (rows with a positive certificate).
-        q = np.unique(np.quantile(c, np.linspace(0, 1, 11)))
-        idx = np.clip(np.searchsorted(q, c, side="right") - 1, 0, len(q) - 2)
-        med = [(np.median(c[idx == k]), np.median(e[idx == k])) for k in range(len(q) - 1)
-               if (idx == k).any()]
-        if med:
-            mx, my = zip(*med, strict=True)
+        if g.medians:
+            mx, my = zip(*g.medians, strict=True)
             ax.plot(mx, np.clip(my, lo, hi), "o-", color="tab:blue", ms=4,
                     label="median per certificate decile")
         ax.set_xscale("log")
@@ -118,9 +200,9 @@ def certificate_error_figure(results: pd.DataFrame | Mapping[str, CertifiedRows]
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
         ax.set_xlabel("certificate C = sqrt(tr V̂) (value units)")
-        ax.set_title(f"{design}: {c.size} rows, {g.sequences} seq.", fontsize=9)
+        ax.set_title(f"{design}: {g.rows} rows, {g.sequences} seq.", fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
-        ratios.append(f"{design} {np.median(e / c):.2f}")
+        ratios.append(f"{design} {g.ratio:.2f}")
     axes[0][0].set_ylabel("realised error |ô − o| (value units)")
     caption = ("Certificate against realised error, one point per certified (sequence, layer, "
                "head, query, configuration) row, log–log; grey shading counts rows (log "
@@ -138,16 +220,18 @@ def _log_norm(vmax: float):
     return LogNorm(vmin=1, vmax=max(vmax, 2))
 
 
-def coverage_level_figure(results: pd.DataFrame | Mapping[str, CertifiedRows],
-                          head_dim: int | None = None) -> tuple[bytes, str] | None:
+def coverage_level_figure(results: pd.DataFrame | Mapping[str, CertifiedRows]
+                          | CalibrationStats, head_dim: int | None = None
+                          ) -> tuple[bytes, str] | None:
     """Empirical coverage of |e| <= z C across nominal levels (``calibration_curve``).
-    ``results``: a results table, or :func:`certified_rows` of one."""
-    by_design = {d: r for d, r in _by_design(results).items() if r.cert2.size}
-    if not by_design:
+    ``results``: a results table, :func:`certified_rows` of one, or their
+    :class:`CalibrationStats`."""
+    stats_ = _stats(results)
+    if not stats_.designs:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.2, 4.2))
-    levels = np.linspace(0.5, 0.99, 50)
+    levels = LEVELS
     d = int(head_dim) if head_dim else 64
     # A calibrated Gaussian error with tr V = C^2 covers with P(chi2_nu / nu <= z^2), where the
     # effective dof nu lies in [1, d]: nu = 1 is the diagonal, nu = d equal variances.
@@ -155,10 +239,11 @@ def coverage_level_figure(results: pd.DataFrame | Mapping[str, CertifiedRows],
     ax.fill_between(levels, levels, stats.chi2.cdf(z2 * d, d), color="0.85",
                     label=f"calibrated, effective dof 1..{d}")
     ax.plot(levels, levels, "k--", lw=1, label="y = x (dof 1)")
-    for design in sorted(by_design):
-        g = by_design[design]
-        lv, emp = calibration_curve(np.sqrt(g.err2 / g.cert2), levels)
-        ax.plot(lv, emp, lw=1.8, label=f"{design} ({g.sequences} seq.)")
+    for design in sorted(stats_.designs):
+        g = stats_.designs[design]
+        if g.defined == 0:
+            raise ValueError("standardized_error has no finite value")
+        ax.plot(levels, g.covered / g.defined, lw=1.8, label=f"{design} ({g.sequences} seq.)")
     ax.set_xlabel("nominal level")
     ax.set_ylabel("share of rows with |e| <= z C")
     ax.set_xlim(0.5, 1.0)

@@ -59,7 +59,7 @@ def _load_manifest(results_dir: Path) -> dict[str, Any]:
     from tracesim.safeio import read_json
 
     path = results_dir / MANIFEST_FILE
-    doc = read_json(path, "results manifest", limit=MAX_MANIFEST_BYTES)
+    doc = read_json(path, "results manifest", limit=MAX_MANIFEST_BYTES, intern=True)
     if not isinstance(doc, dict):
         raise UsageError(f"{path}: expected a JSON object at the top level")
     if doc.get("format") != DATASET_FORMAT:
@@ -195,7 +195,10 @@ def verify_dataset(results_dir: str | os.PathLike, summary: dict[str, Any] | Non
         if col not in names:
             raise UsageError(f"{mpath}: field 'schema' lacks column {col!r}, expected a "
                              f"{need[col]} column")
-    cells: set[tuple] = set()
+    # (store, sequence, layer) -> the configurations seen there, one bit each (a set of
+    # (store, sequence, layer, configuration) tuples held ~100 bytes per part and configuration)
+    bit = {cid: i for i, cid in enumerate(sorted(listed_ids))}
+    cells: dict[tuple, int] = {}
     total = 0
     seen_ids: set[str] = set()
     paths: list[Path] = []
@@ -268,14 +271,16 @@ def verify_dataset(results_dir: str | os.PathLike, summary: dict[str, Any] | Non
             raise UsageError(f"{mpath}: part {part['file']} lists configuration "
                              f"{sorted(own - listed_ids)[0]!r} not in field 'config_ids'")
         seen_ids |= own
+        own_mask = sum(1 << bit[cid] for cid in own)
         for layer in layers:
-            for cid in own:
-                cell = (part["store"], part["sequence_id"], layer, cid)
-                if cell in cells:
-                    raise UsageError(f"{where}: rows of {cell} are also in an earlier part, "
-                                     "expected each (store, sequence, layer, configuration) "
-                                     "in one part (a part duplicated?)")
-                cells.add(cell)
+            key = (part["store"], part["sequence_id"], layer)
+            have = cells.get(key, 0)
+            if have & own_mask:
+                cell = (*key, next(c for c in own if have >> bit[c] & 1))
+                raise UsageError(f"{where}: rows of {cell} are also in an earlier part, "
+                                 "expected each (store, sequence, layer, configuration) in "
+                                 "one part (a part duplicated?)")
+            cells[key] = have | own_mask
         _check_keys(table, path, keys)
         paths.append(path)
     if total != manifest.get("n_rows"):

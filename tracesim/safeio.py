@@ -28,6 +28,7 @@ import json
 import os
 import re
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -207,10 +208,12 @@ def json_text_depth(text: str) -> int:
 
 
 def loads_json(data: bytes | str, label: str, max_depth: int = MAX_DEPTH,
-               error: ErrorType = UsageError) -> Any:
+               error: ErrorType = UsageError, intern: bool = False) -> Any:
     """Parse JSON text: depth at most ``max_depth``, no key twice in one object.
 
-    ``label`` names the file (or ``file:line``, or the field) in messages.
+    ``label`` names the file (or ``file:line``, or the field) in messages. With ``intern``,
+    the strings of each list of strings are interned as their object is parsed (a manifest
+    repeating the same configuration ids in every part then holds each id once).
     """
     if isinstance(data, bytes):
         try:
@@ -228,6 +231,9 @@ def loads_json(data: bytes | str, label: str, max_depth: int = MAX_DEPTH,
             if key in out:
                 raise error(f"{label}: key {key!r} appears twice in one JSON object, expected "
                             "each key once")
+            if intern and isinstance(value, list) and value and all(
+                    isinstance(v, str) for v in value):
+                value = [sys.intern(v) for v in value]
             out[key] = value
         return out
 
@@ -247,9 +253,11 @@ def loads_json(data: bytes | str, label: str, max_depth: int = MAX_DEPTH,
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file", limit: int = MAX_JSON_BYTES,
-              max_depth: int = MAX_DEPTH, error: ErrorType = UsageError) -> Any:
+              max_depth: int = MAX_DEPTH, error: ErrorType = UsageError,
+              intern: bool = False) -> Any:
     """Read a JSON file through :func:`read_bytes` and :func:`loads_json`."""
-    return loads_json(read_bytes(path, limit, what, error), str(path), max_depth, error)
+    return loads_json(read_bytes(path, limit, what, error), str(path), max_depth, error,
+                      intern)
 
 
 # --------------------------------------------------------------------------- YAML
