@@ -128,7 +128,8 @@ def run(P: int, seeds: int, with_torch: bool, rounds: int, n_queries: int = 32,
     for output_space in (False, True):  # load (or compile) this precision's kernels
         replay_layer(trace, pols[:4], seed_arr[:2], n_layers=30,
                      options=ReplayOptions(output_space=output_space, precision=precision))
-    times: dict[str, list[float]] = {"off": [], "off_cpu": [], "os": [], "torch": []}
+    times: dict[str, list[float]] = {"off": [], "off_cpu": [], "os": [], "os_cpu": [],
+                                     "torch": []}
     res = None
     for r in range(rounds):
         t, c = time.perf_counter(), time.process_time()
@@ -138,12 +139,14 @@ def run(P: int, seeds: int, with_torch: bool, rounds: int, n_queries: int = 32,
         times["off_cpu"].append(time.process_time() - c)
         print(f"  P={P} round {r}: numba (os off) {times['off'][-1]:.2f} s [load {_load():.1f}]",
               flush=True)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         replay_layer(trace, pols, seed_arr, n_layers=30,
                      options=ReplayOptions(precision=precision))
         times["os"].append(time.perf_counter() - t)
-        print(f"  P={P} round {r}: numba (os on)  {times['os'][-1]:.2f} s [load {_load():.1f}]",
-              flush=True)
+        times["os_cpu"].append(time.process_time() - c)
+        print(f"  P={P} round {r}: numba (os on)  {times['os'][-1]:.2f} s (CPU off "
+              f"{times['off_cpu'][-1]:.2f} s, on {times['os_cpu'][-1]:.2f} s) "
+              f"[load {_load():.1f}]", flush=True)
         if with_torch:
             u = seed_uniforms(seed_arr, trace.layer, trace.n_kv_heads, P)
             t = time.perf_counter()
@@ -155,7 +158,8 @@ def run(P: int, seeds: int, with_torch: bool, rounds: int, n_queries: int = 32,
                 _check(res, ref, precision)
     return {"P": P, "policies": len(pols), "seeds": seeds, "iterations": res.tables.it_cfg.size,
             "numba": _median(times["off"]), "numba_cpu": _median(times["off_cpu"]),
-            "numba_os": _median(times["os"]), "torch": _median(times["torch"]),
+            "numba_os": _median(times["os"]), "numba_os_cpu": _median(times["os_cpu"]),
+            "torch": _median(times["torch"]),
             "useful_gflop": useful_flops(res, pols) / 1e9, "load": _load()}
 
 
@@ -204,6 +208,9 @@ def main() -> None:
               f"{r['torch']:>8.2f} {r['torch'] / r['numba']:>7.1f}x {r['useful_gflop']:>9.1f} "
               f"{rate:>8.1f} {100 * rate / sgemm:>7.1f}% {cpu_rate:>8.1f} "
               f"{100 * cpu_rate / sgemm_cpu:>5.1f}% {r['load']:>5.1f}")
+    for r in rows:
+        print(f"P={r['P']}: output space on / off by process CPU time (medians) "
+              f"{r['numba_os_cpu'] / r['numba_cpu']:.2f}x")
     print("cpu-norm: useful FLOPs / (process CPU seconds / threads), i.e. the rate had the "
           "threads not shared the cores with other processes; its % is of the CPU-normalised "
           "SGEMM rate")

@@ -44,7 +44,13 @@ from tracesim.kernels.replay_events import (
 )
 from tracesim.kernels.replay_fused import FUSED_ROWS, fused_products, weight_rows
 from tracesim.kernels.replay_operands import IterationOutputs, KeptUnit
-from tracesim.kernels.replay_output_space import group_variance, layer_error
+from tracesim.kernels.replay_output_space import (
+    error_block,
+    error_packs,
+    group_variance,
+    pack_columns,
+    pack_layer_error,
+)
 from tracesim.kernels.replay_rows import cross_sums, row_sums, tail_sums, trace_sq
 
 # Fields of ``out[iteration, head, query, :]``.
@@ -362,38 +368,48 @@ def replay_kernel(layer, incl, its, cert, ev, osp, res):
     n_kv = V.shape[0]
     d = V.shape[2]
     use_os = rpack.size > 0
-    for it in nb.prange(it_cfg.size):
-        c = it_cfg[it]
-        corrected = flags[c, 0] == 1
-        certify = flags[c, 1] == 1
-        fixed_var = flags[c, 2] == 1
-        s = it_seed[it]
-        slot = it_slot[it]
-        ks = it_kslot[it]
-        errT = np.zeros((H * d, NQ), rpack.dtype)
-        lcert = np.zeros(NQ)
-        keptflag = np.empty(P, dtype=np.bool_)
-        kept_idx = np.empty(P, dtype=np.int64)
-        ufresh = np.empty(P)
-        written = IterationOutputs(res.out[it], errT, lcert)
-        for g in range(n_kv):
-            for e in range(slot_ev[slot], slot_ev[slot + 1]):
-                qrows = ev_q[ev_qptr[e]:ev_qptr[e + 1]]
-                if qrows.size == 0:
-                    continue
-                mt, m, kb, ex = event_kept(incl, e, g, s, ks, u, seed_values, layer_index,
-                                           keptflag, kept_idx, ufresh)
-                unit = KeptUnit(qrows, ev_qptr[e], g, pi[e, g], keptflag, kept_idx, mt, m, kb,
-                                ex, e - slot_ev[slot], ev.nta[e, g], corrected, certify,
-                                fixed_var)
-                _unit(layer, ev, osp, cert, unit, written)
-        if use_os:
-            lerr = np.empty(NQ)
-            layer_error(errT, rpack, osp.roff, osp.rstart, lerr)
-            for q in range(NQ):
-                lout[it, q, L_ERR2] = lerr[q]
-                lout[it, q, L_CERT2] = lcert[q] if certify else np.nan
-        else:
+    Hd = H * d
+    n_it = it_cfg.size
+    # The layer error's GEMMs take the errors of several iterations at once: each block of
+    # iterations writes its errors, then the block's packs (``error_packs``) are multiplied.
+    # Blocks and packs depend on the sizes only, never on the threads.
+    per_block = error_block(n_it, Hd * NQ * rpack.itemsize) if use_os else max(n_it, 1)
+    for b0 in range(0, n_it, per_block):
+        b1 = min(n_it, b0 + per_block)
+        pstart = error_packs(b1 - b0, NQ)
+        errflat = np.zeros(((b1 - b0) * Hd * NQ) if use_os else 0, rpack.dtype)
+        for i in nb.prange(b1 - b0):
+            it = b0 + i
+            c = it_cfg[it]
+            corrected = flags[c, 0] == 1
+            certify = flags[c, 1] == 1
+            fixed_var = flags[c, 2] == 1
+            s = it_seed[it]
+            slot = it_slot[it]
+            ks = it_kslot[it]
+            if use_os:
+                errT = pack_columns(errflat, pstart, i, Hd, NQ)
+            else:
+                errT = np.zeros(Hd * NQ, rpack.dtype).reshape((Hd, NQ))[:, 0:NQ]
+            lcert = np.zeros(NQ)
+            keptflag = np.empty(P, dtype=np.bool_)
+            kept_idx = np.empty(P, dtype=np.int64)
+            ufresh = np.empty(P)
+            written = IterationOutputs(res.out[it], errT, lcert)
+            for g in range(n_kv):
+                for e in range(slot_ev[slot], slot_ev[slot + 1]):
+                    qrows = ev_q[ev_qptr[e]:ev_qptr[e + 1]]
+                    if qrows.size == 0:
+                        continue
+                    mt, m, kb, ex = event_kept(incl, e, g, s, ks, u, seed_values, layer_index,
+                                               keptflag, kept_idx, ufresh)
+                    unit = KeptUnit(qrows, ev_qptr[e], g, pi[e, g], keptflag, kept_idx, mt, m,
+                                    kb, ex, e - slot_ev[slot], ev.nta[e, g], corrected,
+                                    certify, fixed_var)
+                    _unit(layer, ev, osp, cert, unit, written)
             for q in range(NQ):
                 lout[it, q, L_ERR2] = np.nan
-                lout[it, q, L_CERT2] = np.nan
+                lout[it, q, L_CERT2] = lcert[q] if (certify and use_os) else np.nan
+        if use_os:
+            for pk in nb.prange(pstart.size - 1):
+                pack_layer_error(errflat, pstart, pk, osp, lout[b0:b1, :, L_ERR2])

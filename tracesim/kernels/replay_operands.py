@@ -268,7 +268,9 @@ class IterationOutputs(NamedTuple):
     out : ndarray of float64, shape (H, NQ, N_FIELDS)
         The iteration's slice of :attr:`ReplayOutputs.out`.
     errT : ndarray of float, shape (H * d, NQ)
-        Estimation errors ``o_hat - o``, head-major, for the layer error.
+        Estimation errors ``o_hat - o``, head-major, for the layer error: with the output
+        space on, the iteration's columns of its pack of iterations (a strided view,
+        :func:`tracesim.kernels.replay_output_space.pack_columns`).
     lcert : ndarray of float64, shape (NQ,)
         Output-space certificate, accumulated over the groups.
     """

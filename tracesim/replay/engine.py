@@ -48,7 +48,6 @@ from tracesim.policies import Policy
 from tracesim.replay.inclusion import InclusionTables, build_inclusion, seed_uniforms
 from tracesim.replay.output_space import (  # noqa: F401  (GramBlocks & co. were defined here)
     LAYER_ERROR_BLOCK,
-    POSITION_CHUNK,
     GramBlocks,
     _pairs,
     gram_blocks,

@@ -12,11 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LAYER_ERROR_BLOCK", "POSITION_CHUNK", "GramBlocks", "gram_blocks",
-           "token_quadratic_forms"]
+from tracesim.kernels.replay_output_space import quadratic_forms
 
-#: Positions per block when forming the per-token quadratic forms ``v^T Gamma v``.
-POSITION_CHUNK = 16384
+__all__ = ["LAYER_ERROR_BLOCK", "GramBlocks", "gram_blocks", "token_quadratic_forms"]
 
 
 def _pairs(G: int) -> tuple[list[tuple[int, int]], np.ndarray]:
@@ -82,15 +80,13 @@ def gram_blocks(o_proj: np.ndarray, n_kv: int, G: int, d: int) -> GramBlocks:
                       rstart=rstart)
 
 
-def token_quadratic_forms(values: np.ndarray, gam: np.ndarray,
-                          chunk: int = POSITION_CHUNK) -> np.ndarray:
-    """``vq[g, i, p] = v_p^T Gamma_{g,i} v_p`` as ``((V @ Gamma) * V).sum(1)``, by chunks of
-    positions (no temporary larger than ``chunk x d``). Shape (n_kv, n_pairs, P)."""
-    n_kv, P, _ = values.shape
-    vq = np.empty((n_kv, gam.shape[1], P))
-    for g in range(n_kv):
-        for p0 in range(0, P, chunk):
-            Vc = values[g, p0:p0 + chunk]
-            for i in range(gam.shape[1]):
-                vq[g, i, p0:p0 + chunk] = ((Vc @ gam[g, i]) * Vc).sum(axis=1)
+def token_quadratic_forms(values: np.ndarray, gam: np.ndarray) -> np.ndarray:
+    """``vq[g, i, p] = v_p^T Gamma_{g,i} v_p``, shape (n_kv, n_pairs, P): one GEMM per group
+    and chunk of positions against the pair blocks side by side, then the row dot products in
+    compiled code (:func:`tracesim.kernels.replay_output_space.quadratic_forms`)."""
+    n_kv, P, d = values.shape
+    npairs = gam.shape[1]
+    gcat = np.ascontiguousarray(gam.transpose(0, 2, 1, 3).reshape(n_kv, d, npairs * d))
+    vq = np.empty((n_kv, npairs, P))
+    quadratic_forms(np.ascontiguousarray(values, dtype=np.float64), gcat, vq)
     return vq

@@ -1,0 +1,79 @@
+"""The output space's compiled pieces against loop references: the layer error over packs of
+iterations, the packing itself, and the per-token quadratic forms.
+
+Ground truth: ``|W_O e|^2`` by a plain product with ``o_proj`` (not its triangular factor) and
+``v^T Gamma v`` by a loop over positions; the replay's layer error against the float64
+reference replay is in ``tests/test_replay_engine.py`` and ``tests/test_replay_fused.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.replay_fixtures import synthetic_trace
+from tracesim.kernels import replay as K
+from tracesim.kernels.replay_output_space import (
+    LAYER_ERROR_COLUMNS,
+    error_block,
+    error_packs,
+    layer_error,
+)
+from tracesim.policies import make_policy
+from tracesim.replay import ReplayOptions, replay_layer
+from tracesim.replay.output_space import gram_blocks, token_quadratic_forms
+
+
+@pytest.mark.parametrize(("hidden", "n_heads", "d"), [(96, 6, 16), (40, 6, 16), (576, 9, 64)])
+@pytest.mark.parametrize("cols", [1, 7, 130])
+def test_layer_error_equals_the_product_with_o_proj(hidden, n_heads, d, cols):
+    rng = np.random.default_rng(hidden + cols)
+    W = rng.standard_normal((hidden, n_heads * d)) / np.sqrt(d)
+    gram = gram_blocks(W, n_heads // 3, 3, d)
+    errT = rng.standard_normal((n_heads * d, cols))
+    errT[:, 0] *= 1e-9  # a small error: the direct form has no cancellation
+    lerr = np.empty(cols)
+    layer_error(errT, gram.rpack, gram.roff, gram.rstart, lerr)
+    ref = np.array([np.dot(W @ errT[:, j], W @ errT[:, j]) for j in range(cols)])
+    np.testing.assert_allclose(lerr, ref, rtol=1e-12, atol=0)
+    zero = np.zeros((n_heads * d, 2))
+    layer_error(zero, gram.rpack, gram.roff, gram.rstart, lerr[:2])
+    assert (lerr[:2] == 0.0).all()
+
+
+@pytest.mark.parametrize("n", [1, 5, 17, 33, 1170])
+@pytest.mark.parametrize("nq", [1, 7, 32, 200])
+def test_error_packs_cover_the_iterations_in_even_contiguous_packs(n, nq):
+    pstart = error_packs(n, nq)
+    assert pstart[0] == 0 and pstart[-1] == n
+    sizes = np.diff(pstart)
+    assert (sizes >= 1).all() and sizes.max() - sizes.min() <= 1
+    k = max(1, LAYER_ERROR_COLUMNS // nq)
+    assert sizes.max() <= k  # no pack wider than the aim
+    assert error_block(n, 1 << 40) == 1 and error_block(n, 1) == n
+
+
+def test_quadratic_forms_equal_the_loop_reference():
+    rng = np.random.default_rng(3)
+    n_kv, G, d, P = 2, 3, 16, 300  # P over one chunk of positions
+    W = rng.standard_normal((64, n_kv * G * d))
+    gram = gram_blocks(W, n_kv, G, d)
+    V = rng.standard_normal((n_kv, P, d))
+    vq = token_quadratic_forms(V, gram.gam)
+    ref = np.array([[[V[g, p] @ gram.gam[g, i] @ V[g, p] for p in range(P)]
+                     for i in range(gram.gam.shape[1])] for g in range(n_kv)])
+    np.testing.assert_allclose(vq, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+
+
+def test_layer_error_does_not_depend_on_the_other_iterations_of_its_pack():
+    # 1 seed against 12: the same (policy, seed 0) iterations sit in packs of other widths.
+    trace = synthetic_trace(8)
+    pols = [make_policy("snapkv", "poisson", 0.3, score_params={"window": 8}),
+            make_policy("h2o", "bernoulli", 0.4, score_params={"window": 8})]
+    one = replay_layer(trace, pols, np.array([0]), n_layers=2, options=ReplayOptions())
+    many = replay_layer(trace, pols, np.arange(12), n_layers=2, options=ReplayOptions())
+    for c in range(len(pols)):
+        i = np.flatnonzero((one.tables.it_cfg == c) & (one.tables.it_seed == 0))
+        j = np.flatnonzero((many.tables.it_cfg == c) & (many.tables.it_seed == 0))
+        np.testing.assert_allclose(many.lout[j], one.lout[i], rtol=1e-12, atol=0)
+        assert np.isfinite(many.lout[j][..., K.L_ERR2]).all()
