@@ -129,7 +129,6 @@ def layer_error(errT, rpack, roff, rstart, lerr):
                 lerr[q] += y * y
 
 
-
 @nb.njit(cache=True)
 def pack_columns(errflat, pstart, i, Hd, NQ):
     """Iteration ``i``'s ``(Hd, NQ)`` errors: its columns of its pack's ``(Hd, columns)``
