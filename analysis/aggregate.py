@@ -171,10 +171,7 @@ class ResultsDataset:
         arrays of that length."""
         import pyarrow as pa
 
-        con = self._connect()
-        rel = con.sql(sql)
-        reader = (rel.to_arrow_reader(READ_BATCH_ROWS) if hasattr(rel, "to_arrow_reader")
-                  else rel.fetch_record_batch(READ_BATCH_ROWS))
+        reader = record_batches(self._connect(), sql, READ_BATCH_ROWS)
         if total is None:
             # batch by batch, each batch's text turned into shared str objects before the next
             # arrives: a result of many groups (one per sequence and configuration, ...) never
@@ -254,6 +251,15 @@ class ResultsDataset:
         position in the table), for rules that take several statements: temporary tables of
         per-unit aggregates, window functions, batch-by-batch reads of sorted rows."""
         return self._connect()
+
+
+def record_batches(con, sql: str, batch_rows: int):
+    """The result of ``sql`` on DuckDB connection ``con`` as an Arrow record-batch reader of
+    ``batch_rows`` rows a batch (``to_arrow_reader`` on DuckDB releases that have it,
+    ``fetch_record_batch`` on earlier ones): a result streamed, never held whole."""
+    rel = con.sql(sql)
+    return (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
+            else rel.fetch_record_batch(batch_rows))
 
 
 def _shared_strings(col) -> np.ndarray:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from tracesim.analysis.aggregate import READ_BATCH_ROWS, sql_in
+from tracesim.analysis.aggregate import READ_BATCH_ROWS, record_batches, sql_in
 from tracesim.analysis.report_figures import (
     AXIS_QUANTILES,
     DECILES,
@@ -89,12 +89,6 @@ def _double(v: float) -> str:
     return f"CAST('{float(v)!r}' AS DOUBLE)"
 
 
-def _stream(con, sql: str, batch_rows: int):
-    rel = con.sql(sql)
-    return (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
-            else rel.fetch_record_batch(batch_rows))
-
-
 def _rows_at(con, sql: str, positions: Iterable[int], batch_rows: int
              ) -> dict[int, tuple[float, ...]]:
     """The rows of ``sql`` (an ``ORDER BY`` query) at ``positions`` (0-based), streamed
@@ -104,7 +98,7 @@ def _rows_at(con, sql: str, positions: Iterable[int], batch_rows: int
     if not want:
         return out
     at, i = 0, 0
-    for batch in _stream(con, sql, batch_rows):
+    for batch in record_batches(con, sql, batch_rows):
         n = batch.num_rows
         while i < len(want) and want[i] < at + n:
             k = want[i] - at
@@ -189,7 +183,7 @@ def _design(con, where: str, n: int, sequences: int, lo: float, hi: float,
     covered, defined, nan_ratio = None, 0, 0
     bins = np.zeros(max(len(q) - 1, 0), dtype=np.int64)
     nan_e = np.zeros_like(bins)  # a NaN error makes its decile's median NaN, as in numpy
-    for batch in _stream(con, select, batch_rows):
+    for batch in record_batches(con, select, batch_rows):
         c2 = batch.column(0).to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
         e2 = batch.column(1).to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
         hist += histogram(c2, e2, lo, hi)

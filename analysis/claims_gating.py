@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from scipy import stats
-from tracesim.analysis.aggregate import READ_BATCH_ROWS, notna, quote, sql_in
+from tracesim.analysis.aggregate import READ_BATCH_ROWS, notna, quote, record_batches, sql_in
 from tracesim.analysis.claims import (
     INCONCLUSIVE,
     NOT_EVALUATED,
@@ -170,9 +170,10 @@ def c7_clusters(results, batch_rows: int = READ_BATCH_ROWS
                 "(row_number() OVER (ORDER BY \"sequence_id\", \"config_id\") - 1)::BIGINT AS k "
                 f"FROM (SELECT DISTINCT \"sequence_id\", \"config_id\" FROM results WHERE {where})")
     keys = con.sql("SELECT \"sequence_id\", \"config_id\" FROM c7_keys ORDER BY k").fetchall()
-    reader = _stream(con, f"SELECT c7_keys.k, {', '.join(quote(c) for c in cols)} FROM results "
-                     f"JOIN c7_keys USING (\"sequence_id\", \"config_id\") WHERE {where} "
-                     "ORDER BY c7_keys.k, results.__row", batch_rows)
+    sql = (f"SELECT c7_keys.k, {', '.join(quote(c) for c in cols)} FROM results "
+           f"JOIN c7_keys USING (\"sequence_id\", \"config_id\") WHERE {where} "
+           "ORDER BY c7_keys.k, results.__row")
+    reader = record_batches(con, sql, batch_rows)
     carry: dict[str, np.ndarray] | None = None
     try:
         for batch in reader:
@@ -191,12 +192,6 @@ def c7_clusters(results, batch_rows: int = READ_BATCH_ROWS
     finally:
         del reader
         con.execute("DROP TABLE IF EXISTS c7_keys")
-
-
-def _stream(con, sql: str, batch_rows: int):
-    rel = con.sql(sql)
-    return (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
-            else rel.fetch_record_batch(batch_rows))
 
 
 def recompute_curves(results, logprobs: dict[str, np.ndarray] | None,
