@@ -38,7 +38,8 @@ class LayerTrace:
         Token positions (see ``docs/trace-format.md``).
     scale : float
         Softmax scale of the model.
-    o_proj : ndarray of float64, shape (hidden, n_heads * head_dim), or None
+    o_proj : ndarray of float32 or float64, shape (hidden, n_heads * head_dim), or None
+        :func:`tracesim.replay.load_layer` passes the store's float32 view unconverted.
     sequence_id : str
     meta : dict
         The manifest row (task, correctness, ...), passed through to results.

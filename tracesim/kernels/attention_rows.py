@@ -22,11 +22,12 @@ import numpy as np
 
 __all__ = ["SERIAL_BELOW", "head_rows", "softmax_rows"]
 
-#: :func:`head_rows` of less work (rows x positions x head dim) runs serially. A parallel
-#: region per call cost more than it saved at a GQA group's 96 rows of 1,024 positions
-#: (6.3 M multiply-adds, about 2 ms): under load, 90 such calls took 0.5 s more CPU time on 2
-#: threads than the serial calls; long contexts (32 k positions: 200 M) take the parallel path.
-SERIAL_BELOW = 1 << 24
+#: :func:`head_rows` of less work (rows x positions x head dim) runs serially. On a quiet
+#: 2-core machine the parallel path paid at a GQA group's 96 rows of 1,024 positions (6.3 M
+#: multiply-adds, about 2 ms a call): the one configuration of ``docs/replay.md`` took 12 %
+#: less wall time (medians of 9 alternated rounds). Under load it cost more than it saved
+#: (every region waits for a descheduled worker); figures are quoted from a quiet machine.
+SERIAL_BELOW = 1 << 22
 
 
 @nb.njit(cache=True, fastmath={"reassoc", "contract"})

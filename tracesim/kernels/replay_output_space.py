@@ -15,16 +15,6 @@ import numpy as np
 #: are multiplied together, since a GEMM over one iteration's few queries (7 on a decode-query
 #: store) runs far below the BLAS rate of a wider one.
 LAYER_ERROR_COLUMNS = 64
-#: Bytes of errors held at once for the layer-error GEMMs (one block of iterations).
-ERROR_BLOCK_BYTES = 16 << 20
-
-
-@nb.njit(cache=True)
-def error_block(n_it, per_iteration):
-    """Iterations per block of :func:`tracesim.kernels.replay.replay_kernel` with the output
-    space on: as many as fit :data:`ERROR_BLOCK_BYTES` (``per_iteration`` bytes each), at
-    least one."""
-    return max(1, min(max(n_it, 1), ERROR_BLOCK_BYTES // max(per_iteration, 1)))
 
 
 @nb.njit(cache=True)
@@ -129,45 +119,39 @@ def layer_error(errT, rpack, roff, rstart, lerr):
                 lerr[q] += y * y
 
 
-@nb.njit(cache=True)
-def pack_columns(errflat, pstart, i, Hd, NQ):
-    """Iteration ``i``'s ``(Hd, NQ)`` errors: its columns of its pack's ``(Hd, columns)``
-    block, pack ``p`` stored at ``errflat[pstart[p] Hd NQ:]`` (a view)."""
-    p = np.searchsorted(pstart, i, side="right") - 1
-    width = (pstart[p + 1] - pstart[p]) * NQ
-    base = pstart[p] * Hd * NQ
-    c0 = (i - pstart[p]) * NQ
-    return errflat[base:base + Hd * width].reshape((Hd, width))[:, c0:c0 + NQ]
-
-
-@nb.njit(cache=True)
-def pack_layer_error(errflat, pstart, p, osp, lerr_out):
-    """The layer error of pack ``p``'s iterations (one :func:`layer_error` over its columns)
-    into ``lerr_out[i, q]`` (block-relative iteration ``i``, query ``q``)."""
-    NQ = lerr_out.shape[1]
-    i0 = pstart[p]
-    width = (pstart[p + 1] - i0) * NQ
-    Hd = errflat.size // (pstart[-1] * NQ)
-    lerr = np.empty(width)
-    base = i0 * Hd * NQ
-    layer_error(errflat[base:base + Hd * width].reshape((Hd, width)), osp.rpack, osp.roff,
-                osp.rstart, lerr)
-    for j in range(width):
-        lerr_out[i0 + j // NQ, j % NQ] = lerr[j]
-
-
 #: Positions per GEMM of :func:`quadratic_forms` (its product block, positions x pairs x d
 #: floats, stays in the L2 cache).
 QUADRATIC_CHUNK = 256
 
 
 @nb.njit(cache=True, fastmath={"reassoc", "contract"})
+def _quadratic_chunk(values, gcat, vq, job):
+    """Job ``job`` of :func:`quadratic_forms`: group ``job // chunks``, positions of chunk
+    ``job % chunks``."""
+    n_kv, P, d = values.shape
+    npairs = vq.shape[1]
+    chunks = (P + QUADRATIC_CHUNK - 1) // QUADRATIC_CHUNK
+    g = job // chunks
+    p0 = (job % chunks) * QUADRATIC_CHUNK
+    p1 = min(P, p0 + QUADRATIC_CHUNK)
+    Vc = values[g, p0:p1]
+    Y = np.dot(Vc, gcat[g])
+    for p in range(p1 - p0):
+        for i in range(npairs):
+            acc = 0.0
+            for k in range(d):
+                acc += Y[p, i * d + k] * Vc[p, k]
+            vq[g, i, p0 + p] = acc
+
+
+@nb.njit(cache=True, parallel=True)
 def quadratic_forms(values, gcat, vq):
     """``vq[g, i, p] = v_p^T Gamma_{g,i} v_p`` for every head pair ``i`` of every group ``g``.
 
     One GEMM per group and chunk of :data:`QUADRATIC_CHUNK` positions, ``V_c [Gamma_0 ...
-    Gamma_{n-1}]``, then each row's dot products with its value (a fixed order: the same on
-    any thread count).
+    Gamma_{n-1}]`` (single-threaded BLAS: the caller sets the limit), then each row's dot
+    products with its value in a fixed order; the (group, chunk) jobs run in parallel and each
+    writes only its own slice, so the result is the same on any thread count.
 
     Parameters
     ----------
@@ -177,16 +161,7 @@ def quadratic_forms(values, gcat, vq):
     vq : ndarray of float64, shape (n_kv, n_pairs, P)
         Written.
     """
-    n_kv, P, d = values.shape
-    npairs = vq.shape[1]
-    for g in range(n_kv):
-        for p0 in range(0, P, QUADRATIC_CHUNK):
-            p1 = min(P, p0 + QUADRATIC_CHUNK)
-            Vc = values[g, p0:p1]
-            Y = np.dot(Vc, gcat[g])
-            for p in range(p1 - p0):
-                for i in range(npairs):
-                    acc = 0.0
-                    for k in range(d):
-                        acc += Y[p, i * d + k] * Vc[p, k]
-                    vq[g, i, p0 + p] = acc
+    n_kv, P = values.shape[0], values.shape[1]
+    chunks = (P + QUADRATIC_CHUNK - 1) // QUADRATIC_CHUNK
+    for job in nb.prange(n_kv * chunks):
+        _quadratic_chunk(values, gcat, vq, job)

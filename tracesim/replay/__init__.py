@@ -50,7 +50,8 @@ __all__ = [
 
 
 def load_layer(store, seq, layer: int) -> LayerTrace:
-    """Read one layer of one sequence from a trace store into a float64 :class:`LayerTrace`."""
+    """Read one layer of one sequence from a trace store into a :class:`LayerTrace` of float64
+    tensors (``o_proj`` stays the store's float32 view)."""
     m = store.model
     meta = dict(seq.meta)
     o_proj = store.o_proj(layer)
@@ -67,7 +68,9 @@ def load_layer(store, seq, layer: int) -> LayerTrace:
         prompt_length=int(meta["prompt_length"]),
         question_start=int(meta["question_start"]),
         scale=float(m.scaling),
-        o_proj=None if o_proj is None else np.asarray(o_proj, dtype=np.float64),
+        # the store's float32 view: only the output space reads it (gram_blocks converts
+        # it once per layer and caches the result), so a replay without it converts nothing
+        o_proj=o_proj,
         sequence_id=str(seq.sequence_id),
         meta=meta,
         rope=m.rope(layer),

@@ -25,6 +25,7 @@ from scipy import special  # t and normal quantiles (scipy.stats is slow to impo
 from threadpoolctl import ThreadpoolController
 
 from tracesim.counts import BOOTSTRAP_REPLICATES
+from tracesim.heap import keep_freed_memory
 from tracesim.kernels.bound_args import BoundIterations, BoundLayer
 from tracesim.kernels.bounds import N_BOUND_FIELDS, bound_kernel
 from tracesim.kernels.replay import F_WALD, N_FIELDS, N_LAYER_FIELDS, replay_kernel
@@ -216,7 +217,9 @@ class ReplaySetup:
     output-space Gram blocks (``o_proj`` is a property of the store, not of a sequence).
 
     Build one per replay over one store (:func:`tracesim.replay.iter_replay` does) and pass it
-    to :func:`replay_layer`.
+    to :func:`replay_layer`. The first one in a process keeps freed memory for reuse
+    (:func:`tracesim.heap.keep_freed_memory`: each layer's arrays would otherwise come back as
+    fresh pages, a page fault per 4 KiB).
 
     Parameters
     ----------
@@ -230,6 +233,7 @@ class ReplaySetup:
 
     def __init__(self, options: ReplayOptions | None = None,
                  gram_cache: dict | None = None) -> None:
+        keep_freed_memory()
         self.options = options or ReplayOptions()
         self.z = float(special.ndtri(1 - self.options.alpha / 2))
         self._gram: dict[tuple[int, int, int], GramBlocks] = (
