@@ -25,7 +25,7 @@ from tracesim.kernels.fused_tiles import tiled_estimate, tiled_products
 #: tail tokens, estimate and certificate products): fused 2.2x faster at 3 rows, even at 8,
 #: 1.5x slower at 16; the output space adds G (G - 1) / 2 cross rows per query, so the fused
 #: path is kept to per-step units of GQA groups up to 4 heads (SmolLM2 3, the llama shape 4).
-FUSED_ROWS = 4  # a compile-time constant of replay.py's kernel: its numba cache goes by that file
+FUSED_ROWS = 4  # a compile-time constant of replay_unit.py: its numba cache goes by that file
 
 
 @nb.njit(cache=True)
