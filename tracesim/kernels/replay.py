@@ -102,9 +102,10 @@ def _iteration(layer, incl, its, cert, ev, osp, res, it, errT):
 
 @nb.njit(cache=True)
 def _alone(layer, incl, its, cert, ev, osp, res, it):
-    """Iteration ``it`` without the output space: its errors go to scratch that nothing reads
-    (allocated here, per iteration: a buffer allocated in the parallel loop itself would be
-    hoisted out of it by numba and shared by the threads)."""
+    """Iteration ``it`` without the output space: its errors go to scratch that nothing reads,
+    allocated here rather than in the parallel loop's body (numba may hoist an allocation of
+    loop-invariant size out of a parallel loop, numba issue 9529; a first version of the packs
+    written inline in that body lost their layer errors, cause not established)."""
     Hd = layer.E.shape[0] * layer.V.shape[2]
     NQ = layer.E.shape[1]
     # a column slice: the same array type as a pack's columns, so one compiled _iteration
