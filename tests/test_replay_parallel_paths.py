@@ -101,3 +101,30 @@ def test_exp_logits_float32_sum_in_float64():
     RE.exp_logits_kernel(Q, K, qpos, 0.2, 2, E)
     ref = _loop_exp_logits(Q, K, qpos, 0.2, 2)  # products rounded differently: to rounding
     np.testing.assert_allclose(E, ref, rtol=2e-6, atol=1e-7)
+
+
+def test_bootstrap_and_bound_kernels_same_bytes_on_one_and_two_threads():
+    # Their parallel loops allocate work arrays in the loop body (numba may hoist such an
+    # allocation out of a parallel loop): the outputs must not depend on the thread count.
+    import numba
+
+    from tests.replay_fixtures import synthetic_trace
+    from tracesim.replay import ReplayOptions, replay_layer
+
+    trace = synthetic_trace(3)
+    pols = [make_policy("snapkv", "poisson", 0.3, score_params={"window": 8}, summary_page=8),
+            make_policy("h2o", "topk", 0.4, score_params={"window": 8}, summary_page=4),
+            make_policy("tova", "poisson", 0.3, correction="hajek")]
+    runs = []
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(threads)
+            runs.append(replay_layer(trace, pols, np.arange(6), n_layers=2,
+                                     options=ReplayOptions(bootstrap=50)))
+    finally:
+        numba.set_num_threads(before)
+    one, two = runs
+    assert np.isfinite(one.boot).any() and np.isfinite(one.bounds).any()
+    for name in ("out", "lout", "boot", "bounds"):
+        assert getattr(one, name).tobytes() == getattr(two, name).tobytes(), name
