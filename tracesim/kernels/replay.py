@@ -104,8 +104,7 @@ def _iteration(layer, incl, its, cert, ev, osp, res, it, errT):
 def _alone(layer, incl, its, cert, ev, osp, res, it):
     """Iteration ``it`` without the output space: its errors go to scratch that nothing reads,
     allocated here rather than in the parallel loop's body (numba may hoist an allocation of
-    loop-invariant size out of a parallel loop, numba issue 9529; a first version of the packs
-    written inline in that body lost their layer errors, cause not established)."""
+    loop-invariant size out of a parallel loop, numba issue 9529)."""
     Hd = layer.E.shape[0] * layer.V.shape[2]
     NQ = layer.E.shape[1]
     # a column slice: the same array type as a pack's columns, so one compiled _iteration
@@ -166,7 +165,9 @@ def replay_kernel(layer, incl, its, cert, ev, osp, res):
     # at once (``error_packs``: about LAYER_ERROR_COLUMNS columns; a GEMM over one iteration's
     # few queries runs far below the BLAS rate). One parallel region over the packs: each pack
     # replays its iterations, then multiplies their errors. Packs depend on the sizes only,
-    # never on the threads.
+    # never on the threads. The pack is a function of its own: written inline in the loop's
+    # body, reading the outputs' fields there, it lost every layer error (numba's parfor pass
+    # dropping stores, as kernels/attention.py records for fields read inside prange).
     pstart = error_packs(n_it, NQ)
     for pk in nb.prange(pstart.size - 1):
         _pack(layer, incl, its, cert, ev, osp, res, pstart[pk], pstart[pk + 1])
