@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-__all__ = ["group_softmax"]
+__all__ = ["group_softmax", "group_softmax_steps"]
 
 
 @nb.njit(cache=True)
@@ -49,3 +49,45 @@ def group_softmax(s, reduce_max, x):
             else:
                 acc += s[h, i]
         x[i] = acc if reduce_max else acc / n
+
+
+@nb.njit(cache=True)
+def _step_job(i, s, offsets, n, reduce_max, x, xoff):
+    m = (offsets[i + 1] - offsets[i]) // n
+    group_softmax(s[offsets[i]:offsets[i + 1]].reshape((n, m)), reduce_max,
+                  x[xoff[i]:xoff[i + 1]])
+
+
+@nb.njit(cache=True, parallel=True)
+def _steps_par(s, offsets, n, reduce_max, x, xoff):
+    for i in nb.prange(offsets.size - 1):
+        _step_job(i, s, offsets, n, reduce_max, x, xoff)
+
+
+@nb.njit(cache=True)
+def _steps_ser(s, offsets, n, reduce_max, x, xoff):
+    for i in range(offsets.size - 1):
+        _step_job(i, s, offsets, n, reduce_max, x, xoff)
+
+
+#: Logit entries below which :func:`group_softmax_steps` runs serially.
+SERIAL_BELOW = 1 << 16
+
+
+def group_softmax_steps(s: np.ndarray, offsets: np.ndarray, n: int, reduce_max: bool,
+                        x: np.ndarray, xoff: np.ndarray) -> None:
+    """:func:`group_softmax` of many steps, in parallel over the steps.
+
+    s : float64 (total,), step ``i``'s logits ``(n, m_i)`` (row-major) at
+        ``s[offsets[i]:offsets[i + 1]]``; overwritten with the softmax rows
+    offsets : int64 (steps + 1,)
+    n : int, query heads per step
+    reduce_max : bool
+    x : float64, step ``i``'s reduction (``m_i``) at ``x[xoff[i]:xoff[i + 1]]``
+    xoff : int64 (steps + 1,)
+
+    Every step is one serial :func:`group_softmax` call: the same values on any number of
+    threads.
+    """
+    fn = _steps_ser if s.size < SERIAL_BELOW else _steps_par
+    fn(s, offsets, int(n), bool(reduce_max), x, xoff)

@@ -134,6 +134,12 @@ class Score:
         """
         raise NotImplementedError
 
+    def step_scores(self, trace: LayerTrace, kv_head: int, ends: np.ndarray,
+                    seed: int | None = None) -> list[np.ndarray]:
+        """:meth:`scores` at every event time of ``ends``, in order (a per-step score computes
+        many steps together where it can; the values are those of :meth:`scores`)."""
+        return [self.scores(trace, kv_head, int(t), seed) for t in ends]
+
     def tail_budgets(self, trace: LayerTrace, tail_scores: list[np.ndarray], tail_budget: int,
                      budget: Any) -> np.ndarray:
         """Per-KV-head tail budgets of one event: the budget's allocator by default

@@ -142,15 +142,37 @@ class PerStepScore(Score):
         x = w.max(axis=0) if self.gqa == "max" else w.mean(axis=0)
         return x[:end]
 
+    def step_scores(self, trace: LayerTrace, kv_head: int, ends: np.ndarray,
+                    seed: int | None = None) -> list[np.ndarray]:
+        """:meth:`scores` of every step of ``ends``: on a plain layer the logits of all the
+        steps are laid end to end and their softmax rows reduced in one compiled call, in
+        parallel over the steps (each step as :meth:`scores` computes it: the same values)."""
+        if self.gqa == "head" or not trace.is_plain or self.linearised:
+            return super().step_scores(trace, kv_head, ends, seed)
+        from tracesim.kernels.step_scores import group_softmax_steps
+
+        heads = list(trace.group(kv_head))
+        ends = [int(t) for t in ends]
+        n = len(heads)
+        xoff = np.zeros(len(ends) + 1, dtype=np.int64)
+        np.cumsum([t + 1 for t in ends], out=xoff[1:])
+        s = np.empty(n * int(xoff[-1]))
+        for i, t in enumerate(ends):
+            self._step_logits(trace, kv_head, heads, t,
+                              out=s[n * xoff[i]:n * xoff[i + 1]].reshape(n, t + 1))
+        x = np.empty(int(xoff[-1]))
+        group_softmax_steps(s, n * xoff, n, self.gqa == "max", x, xoff)
+        return [x[xoff[i]:xoff[i] + t] for i, t in enumerate(ends)]
+
     def _step_logits(self, trace: LayerTrace, kv_head: int, heads: list[int],
-                     end: int) -> np.ndarray:
+                     end: int, out: np.ndarray | None = None) -> np.ndarray:
         """Proxy logits of ``heads`` at the step ``end`` over positions ``[0, end]`` (the
-        current token last, exact), shape (len(heads), end + 1)."""
+        current token last, exact), shape (len(heads), end + 1); into ``out`` if given."""
         proxy = _parsed_proxy(self.proxy)
         proxy.check_trace(trace)
         qi = self.step_query(trace, end)
         q = trace.queries[heads, qi]  # (n, d)
-        s = np.empty((len(heads), end + 1))
+        s = np.empty((len(heads), end + 1)) if out is None else out
         s[:, :end] = proxy.step_logits(trace, kv_head, heads, qi, end)
         s[:, end] = (q @ trace.keys[kv_head, end]) * trace.scale  # the current token: exact
         return s

@@ -1,9 +1,11 @@
 """From policies to inclusion tables: scores -> budgets -> designs -> schedules, per layer.
 
-Everything here is cheap (O(P log P) per KV head, event and slot) and runs in Python; the
-compiled kernel then replays every (policy, seed) against these tables. A *slot* is one set of
-inclusion probabilities: one per policy, or one per (policy, seed) when the score itself is
-random (``random``, ``keyformer``).
+Everything here is cheap (O(P log P) per KV head, event and slot) and runs in Python, except
+a per-step design's many rows (a score and a head's probabilities at every decode step), which
+are computed a block of steps at a time in compiled code (:meth:`Score.step_scores`,
+:class:`~tracesim.replay.head_rows.StepRows`); the compiled kernel then replays every (policy,
+seed) against these tables. A *slot* is one set of inclusion probabilities: one per policy,
+or one per (policy, seed) when the score itself is random (``random``, ``keyformer``).
 """
 
 from __future__ import annotations
@@ -13,97 +15,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from tracesim.designs import Design
+from tracesim.designs.poisson import PoissonPPS
 from tracesim.layer_trace import LayerTrace
 from tracesim.policies import Policy
 from tracesim.prn import permanent_uniforms, step_stream, uniform_grid
+from tracesim.replay.head_rows import (  # noqa: F401  (_top_later: tests import it from here)
+    STEP_ROW_ENTRIES,
+    StepRows,
+    _top_later,
+    head_inclusion,
+)
 from tracesim.schedules import event_of_queries, nested_inclusion
 
 __all__ = ["InclusionTables", "build_inclusion", "event_uniforms", "fixed_kept", "fresh_uniforms",
            "head_inclusion", "seed_uniforms", "slot_events"]
-
-
-def _usable_scores(x: np.ndarray, n: int) -> np.ndarray:
-    # Capped PPS cannot reach n with fewer than n positive scores (attention can underflow to
-    # 0): lift zeros to a tiny fraction of the largest score so the budget stays reachable.
-    if np.count_nonzero(x > 0) >= n:
-        return x
-    top = float(x.max()) if x.size else 0.0
-    return np.full(x.size, 1.0) if top <= 0 else np.maximum(x, 1e-12 * top)
-
-
-def _top_later(x: np.ndarray, h: int) -> np.ndarray:
-    """Indices of the ``h`` largest of ``x`` (``0 < h < x.size``), the later position first
-    among equal values (as TopK), in no particular order.
-
-    The set a stable sort of the reversed scores selects, found in O(N): one partition gives
-    the h-th largest value ``v``; every score above ``v`` is in, and of those equal to ``v``
-    the last ones fill the remaining places.
-    """
-    v = np.partition(x, x.size - h)[x.size - h]
-    above = np.flatnonzero(x > v)
-    ties = np.flatnonzero(x == v)
-    return np.concatenate([above, ties[ties.size - (h - above.size):]])
-
-
-def head_inclusion(scores: np.ndarray, take_all: np.ndarray, design: Design,
-                   tail_budget: int, top_fraction: float = 0.0,
-                   alive: np.ndarray | None = None, ties: str = "later") -> np.ndarray:
-    """Inclusion probabilities of positions ``[0, end)`` for one KV head at one event.
-
-    Parameters
-    ----------
-    scores : ndarray, shape (end,)
-        Non-negative scores.
-    take_all : ndarray of bool, shape (end,)
-        Sinks and window (``pi = 1``).
-    design : Design
-    tail_budget : int
-        Expected number of tail tokens kept (top-h included).
-    top_fraction : float
-        Share of ``tail_budget`` given take-all to the highest tail scores (ties: later token).
-    alive : ndarray of bool, shape (end,), optional
-        Tokens still in the cache; evicted ones get ``pi = 0`` and no budget (deterministic
-        decode-time eviction).
-    ties : {"later", "earlier"}
-        Which of equal scores a deterministic design and the top-h prefer (the score's
-        ``ties``); randomized designs are not affected.
-
-    Returns
-    -------
-    ndarray of float64, shape (end,)
-    """
-    if ties == "earlier" and not design.randomized:
-        # Every rule here is position-symmetric except the tie order: run it on the reversed
-        # positions, so "the later position" becomes the earlier one.
-        return head_inclusion(scores[::-1], take_all[::-1], design, tail_budget, top_fraction,
-                              None if alive is None else alive[::-1])[::-1].copy()
-    if ties not in ("later", "earlier"):
-        raise ValueError(f"ties = {ties!r}: expected 'later' or 'earlier'")
-    end = scores.size
-    pi = np.ones(end)
-    tail = np.flatnonzero(~take_all if alive is None else (~take_all & alive))
-    if alive is not None:
-        pi[~alive & ~take_all] = 0.0
-    n = min(int(tail_budget), tail.size)
-    if n >= tail.size:
-        return pi
-    if n <= 0:
-        pi[tail] = 0.0
-        return pi
-    x = np.asarray(scores, dtype=np.float64)[tail]
-    h = int(round(float(top_fraction) * n))
-    if h > 0:
-        top = _top_later(x, h)
-        keep = np.ones(tail.size, dtype=bool)
-        keep[top] = False
-        tail, x, n = tail[keep], x[keep], n - h
-        if n <= 0:
-            pi[tail] = 0.0
-            return pi
-        if n >= tail.size:
-            return pi
-    pi[tail] = design.inclusion_probabilities(_usable_scores(x, n), n)
-    return pi
 
 
 def seed_uniforms(seeds: np.ndarray, layer: int, n_kv: int, n_positions: int) -> np.ndarray:
@@ -186,13 +111,18 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
     deterministic = not policy.design.randomized and not per_step
     raw = np.ones((tau.size, n_kv, P))
     budgets = np.zeros((tau.size, n_kv), dtype=np.int64)
+    # Rows that need no earlier event (a per-step design: nothing is gone for good) under
+    # Poisson capped PPS are computed together, compiled and in parallel (StepRows).
+    rows = StepRows(raw, policy.design, score.top_fraction) \
+        if per_step and isinstance(policy.design, PoissonPPS) else None
+    event_scores = _event_scores(trace, score, tau, seed if score.seed_dependent else None,
+                                 per_step)
     for e, t in enumerate(tau):
         t = int(t)
         # Positions the query at t attends on a sliding layer: (t - w, t]; None: every one.
         window = None if trace.window is None else np.arange(t) > t - trace.window
         xs, masks, tails = [], [], []
-        for g in range(n_kv):
-            x = score.scores(trace, g, t, seed if score.seed_dependent else None)
+        for g, x in enumerate(next(event_scores)):
             a = score.take_all(trace, g, t)
             alive = _alive(raw, e, g, t, deterministic, window)
             if window is not None:
@@ -212,11 +142,39 @@ def slot_events(trace: LayerTrace, policy: Policy, seed: int | None, n_layers: i
         alloc = score.tail_budgets(trace, tails, policy.budget.layer_tail_budget(
             tb, trace.layer, n_layers), policy.budget)
         for g in range(n_kv):
+            budgets[e, g] = int(masks[g].sum()) + int(alloc[g])
+            if rows is not None:
+                first_alive = 0 if window is None else max(0, t - trace.window + 1)
+                rows.add(e, g, xs[g], masks[g], first_alive, int(alloc[g]))
+                continue
             alive = _alive(raw, e, g, t, deterministic, window)
             raw[e, g, :t] = head_inclusion(xs[g], masks[g], policy.design, int(alloc[g]),
                                            score.top_fraction, alive, score.ties)
-            budgets[e, g] = int(masks[g].sum()) + int(alloc[g])
+    if rows is not None:
+        rows.flush()
     return (raw if per_step else nested_inclusion(raw)), tau, budgets
+
+
+def _event_scores(trace: LayerTrace, score, tau: np.ndarray, seed: int | None,
+                  per_step: bool):
+    """Every KV head's scores at each event of ``tau``, one list per event (a generator).
+
+    A per-step score computes a block of steps per KV head at once
+    (:meth:`~tracesim.policies.base.Score.step_scores`), blocks of at most
+    :data:`STEP_ROW_ENTRIES` positions of the group's heads; other scores one event at a time.
+    """
+    n_kv = trace.n_kv_heads
+    if not per_step:
+        for t in tau:
+            yield [score.scores(trace, g, int(t), seed) for g in range(n_kv)]
+        return
+    width = trace.group_size * (int(tau.max()) + 1) if tau.size else 1
+    block = max(1, STEP_ROW_ENTRIES // width)
+    for b0 in range(0, tau.size, block):
+        ends = tau[b0:b0 + block]
+        per_head = [score.step_scores(trace, g, ends, seed) for g in range(n_kv)]
+        for i in range(ends.size):
+            yield [per_head[g][i] for g in range(n_kv)]
 
 
 def _alive(raw: np.ndarray, e: int, g: int, t: int, deterministic: bool,
