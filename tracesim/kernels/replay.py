@@ -22,7 +22,7 @@ whose per-row reductions are in :mod:`tracesim.kernels.replay_rows`; the output-
 certificate and the layer error are in :mod:`tracesim.kernels.replay_output_space`. The
 operands come in named tuples documented in :mod:`tracesim.kernels.replay_operands`. One unit
 is :func:`tracesim.kernels.replay_unit.replay_unit`; this module drives the units over the
-iterations (with the output space, over packs of iterations whose layer errors share one GEMM).
+iterations (with the output space, each iteration's layer error is one GEMM of its own).
 
 Each iteration writes only its own output slots and calls BLAS single-threaded (the caller
 sets the BLAS thread limit), so results are bit-identical for any number of numba threads and
@@ -36,7 +36,7 @@ import numpy as np
 
 from tracesim.kernels.replay_events import event_kept
 from tracesim.kernels.replay_operands import IterationOutputs, KeptUnit
-from tracesim.kernels.replay_output_space import error_packs, layer_error
+from tracesim.kernels.replay_output_space import layer_error
 from tracesim.kernels.replay_unit import (  # noqa: F401  (the fields' numbers, re-exported)
     F_CERT2,
     F_CERT2_SMALL,
@@ -101,32 +101,22 @@ def _iteration(layer, incl, its, cert, ev, osp, res, it, errT):
 
 
 @nb.njit(cache=True)
-def _alone(layer, incl, its, cert, ev, osp, res, it):
-    """Iteration ``it`` without the output space: its errors go to scratch that nothing reads,
-    allocated here rather than in the parallel loop's body (numba may hoist an allocation of
-    loop-invariant size out of a parallel loop, numba issue 9529)."""
+def _iteration_with_error(layer, incl, its, cert, ev, osp, res, it):
+    """Iteration ``it`` and, with the output space, its layer error: one GEMM per row block
+    over the iteration's own query columns. The errors are allocated here rather than in the
+    parallel loop's body (numba may hoist an allocation of loop-invariant size out of a
+    parallel loop, numba issue 9529); without the output space nothing reads them."""
     Hd = layer.E.shape[0] * layer.V.shape[2]
     NQ = layer.E.shape[1]
-    # a column slice: the same array type as a pack's columns, so one compiled _iteration
-    errT = np.empty((Hd, NQ), osp.rpack.dtype)[:, 0:NQ]
+    if osp.rpack.size == 0:
+        _iteration(layer, incl, its, cert, ev, osp, res, it, np.empty((Hd, NQ), osp.rpack.dtype))
+        return
+    errT = np.zeros((Hd, NQ), osp.rpack.dtype)
     _iteration(layer, incl, its, cert, ev, osp, res, it, errT)
-
-
-@nb.njit(cache=True)
-def _pack(layer, incl, its, cert, ev, osp, res, i0, i1):
-    """Iterations ``[i0, i1)`` with the output space: each replayed into its columns of the
-    pack's errors, then the layer error of all of them in one GEMM per row block."""
-    Hd = layer.E.shape[0] * layer.V.shape[2]
-    NQ = layer.E.shape[1]
-    width = (i1 - i0) * NQ
-    errp = np.zeros((Hd, width), osp.rpack.dtype)
-    for it in range(i0, i1):
-        c0 = (it - i0) * NQ
-        _iteration(layer, incl, its, cert, ev, osp, res, it, errp[:, c0:c0 + NQ])
-    lerr = np.empty(width)
-    layer_error(errp, osp.rpack, osp.roff, osp.rstart, lerr)
-    for j in range(width):
-        res.lout[i0 + j // NQ, j % NQ, L_ERR2] = lerr[j]
+    lerr = np.empty(NQ)
+    layer_error(errT, osp.rpack, osp.roff, osp.rstart, lerr)
+    for q in range(NQ):
+        res.lout[it, q, L_ERR2] = lerr[q]
 
 
 @nb.njit(cache=True, parallel=True)
@@ -155,19 +145,11 @@ def replay_kernel(layer, incl, its, cert, ev, osp, res):
     res : ReplayOutputs
         Written: ``out[it]`` and ``lout[it]`` of every iteration.
     """
-    n_it = its.it_cfg.size
-    NQ = layer.E.shape[1]
-    if osp.rpack.size == 0:
-        for it in nb.prange(n_it):
-            _alone(layer, incl, its, cert, ev, osp, res, it)
-        return
-    # With the output space, the layer error's GEMM takes the errors of a pack of iterations
-    # at once (``error_packs``: about LAYER_ERROR_COLUMNS columns; a GEMM over one iteration's
-    # few queries runs far below the BLAS rate). One parallel region over the packs: each pack
-    # replays its iterations, then multiplies their errors. Packs depend on the sizes only,
-    # never on the threads. The pack is a function of its own: written inline in the loop's
-    # body, reading the outputs' fields there, it lost every layer error (numba's parfor pass
+    # One GEMM per iteration for its layer error, never one over several iterations' columns:
+    # BLAS kernels may round a column by its place in the product (OpenBLAS's AVX-512 dgemm
+    # does), so a shared product made a policy's layer error depend on the policies replayed
+    # with it. The iteration is a function of its own: written inline in the loop's body,
+    # reading the outputs' fields there, it lost every layer error (numba's parfor pass
     # dropping stores, as kernels/attention.py records for fields read inside prange).
-    pstart = error_packs(n_it, NQ)
-    for pk in nb.prange(pstart.size - 1):
-        _pack(layer, incl, its, cert, ev, osp, res, pstart[pk], pstart[pk + 1])
+    for it in nb.prange(its.it_cfg.size):
+        _iteration_with_error(layer, incl, its, cert, ev, osp, res, it)

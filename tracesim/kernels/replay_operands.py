@@ -268,9 +268,9 @@ class IterationOutputs(NamedTuple):
     out : ndarray of float64, shape (H, NQ, N_FIELDS)
         The iteration's slice of :attr:`ReplayOutputs.out`.
     errT : ndarray of float, shape (H * d, NQ)
-        Estimation errors ``o_hat - o``, head-major, for the layer error: with the output
-        space on, the iteration's columns of its pack of iterations (a strided view, see
-        :func:`tracesim.kernels.replay.replay_kernel`); without it, scratch that is not read.
+        Estimation errors ``o_hat - o``, head-major, for the layer error (one GEMM per
+        iteration, see :func:`tracesim.kernels.replay.replay_kernel`); without the output
+        space, scratch that is not read.
     lcert : ndarray of float64, shape (NQ,)
         Output-space certificate, accumulated over the groups.
     """

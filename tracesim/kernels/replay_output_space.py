@@ -11,24 +11,6 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-#: Columns (iterations x queries) a layer-error GEMM aims at: the errors of several iterations
-#: are multiplied together, since a GEMM over one iteration's few queries (7 on a decode-query
-#: store) runs far below the BLAS rate of a wider one.
-LAYER_ERROR_COLUMNS = 64
-
-
-@nb.njit(cache=True)
-def error_packs(n, NQ):
-    """Iterations ``[pstart[p], pstart[p+1])`` of pack ``p`` among ``n`` iterations of ``NQ``
-    queries: about :data:`LAYER_ERROR_COLUMNS` columns per pack, the packs as even as
-    possible. A function of ``n`` and ``NQ`` only (never of the threads)."""
-    k = max(1, LAYER_ERROR_COLUMNS // max(NQ, 1))
-    npk = max(1, (n + k - 1) // k)
-    pstart = np.empty(npk + 1, dtype=np.int64)
-    for p in range(npk + 1):
-        pstart[p] = p * n // npk
-    return pstart
-
 
 @nb.njit(cache=True)
 def group_variance(qrows, G, npx, est3, Z, s_diag, q_diag, TD, XF, sx, gblk, lcert):

@@ -4,6 +4,14 @@ A *row* is one (event query, group head) of a unit; its weights ``w`` are the HÃ
 ``E / pi`` of the kept tail tokens in position order, of which the query sees the first ``n``.
 The sums are reassociated (``fastmath`` reassoc/contract) so that LLVM vectorises them; the
 order is fixed at compile time, so results do not depend on threads or iteration order.
+
+No summing loop also stores. LLVM vectorises a loop that writes one array while reading others
+behind a run-time test that the output lies beyond a vector's reach of every input, and runs
+the scalar loop when it does not: two arrays that malloc happened to place within a few hundred
+bytes of each other (small rows of a unit are) took the sequential sum, others the vectorised
+one, and the last bits of the certificate depended on the heap (seen on an AVX-512 machine,
+where the reach is 32 doubles). A loop that only reads needs no such test; each row is written
+by a loop of its own, which adds no sum, so the scalar and vector paths of that loop agree.
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ def row_sums(w, piv, n):
 def tail_sums(w, cw, vnk, vqd, n, use_os, wd):
     """Row ``wd = (1-pi) w^2`` of the certificate's GEMM and its sums ``sum wd``,
     ``sum wd |v|^2`` and (output space) ``sum wd v^T Gamma_aa v``."""
+    for j in range(n):
+        x = np.float64(w[j])
+        wd[j] = cw[j] * x * x
+    # The sums recompute the row in float64 (``wd`` is float32 in the float32 mode) in loops
+    # that only read (see the module's note on stores).
     s_c = 0.0
     s_q = 0.0
     s_qg = 0.0
@@ -39,7 +52,6 @@ def tail_sums(w, cw, vnk, vqd, n, use_os, wd):
         for j in range(n):
             x = np.float64(w[j])
             v = cw[j] * x * x
-            wd[j] = v
             s_c += v
             s_q += v * vnk[j]
             s_qg += v * vqd[j]
@@ -47,7 +59,6 @@ def tail_sums(w, cw, vnk, vqd, n, use_os, wd):
         for j in range(n):
             x = np.float64(w[j])
             v = cw[j] * x * x
-            wd[j] = v
             s_c += v
             s_q += v * vnk[j]
     return s_c, s_q, s_qg
@@ -56,12 +67,14 @@ def tail_sums(w, cw, vnk, vqd, n, use_os, wd):
 @nb.njit(cache=True, fastmath={"reassoc", "contract"})
 def cross_sums(wa, wb, cw, vq, n, wx):
     """Row ``wx = (1-pi) w_a w_b`` of a head pair and its sums ``sum wx``,
-    ``sum wx v^T Gamma_ab v``."""
+    ``sum wx v^T Gamma_ab v`` (the row stored and summed in separate loops, as
+    :func:`tail_sums`)."""
+    for j in range(n):
+        wx[j] = cw[j] * np.float64(wa[j]) * np.float64(wb[j])
     s0 = 0.0
     s1 = 0.0
     for j in range(n):
         v = cw[j] * np.float64(wa[j]) * np.float64(wb[j])
-        wx[j] = v
         s0 += v
         s1 += v * vq[j]
     return s0, s1
