@@ -21,7 +21,7 @@ from tracesim.policies import (
     take_all_mask,
 )
 from tracesim.policies.snapkv import pool1d
-from tracesim.replay.inclusion import _top_later, head_inclusion
+from tracesim.replay.head_rows import _top_later, head_inclusion
 
 
 @pytest.fixture(scope="module")

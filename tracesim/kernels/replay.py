@@ -106,17 +106,13 @@ def _iteration_with_error(layer, incl, its, cert, ev, osp, res, it):
     over the iteration's own query columns. The errors are allocated here rather than in the
     parallel loop's body (numba may hoist an allocation of loop-invariant size out of a
     parallel loop, numba issue 9529); without the output space nothing reads them."""
-    Hd = layer.E.shape[0] * layer.V.shape[2]
-    NQ = layer.E.shape[1]
-    if osp.rpack.size == 0:
-        _iteration(layer, incl, its, cert, ev, osp, res, it, np.empty((Hd, NQ), osp.rpack.dtype))
-        return
-    errT = np.zeros((Hd, NQ), osp.rpack.dtype)
+    errT = np.zeros((layer.E.shape[0] * layer.V.shape[2], layer.E.shape[1]), osp.rpack.dtype)
     _iteration(layer, incl, its, cert, ev, osp, res, it, errT)
-    lerr = np.empty(NQ)
-    layer_error(errT, osp.rpack, osp.roff, osp.rstart, lerr)
-    for q in range(NQ):
-        res.lout[it, q, L_ERR2] = lerr[q]
+    if osp.rpack.size > 0:
+        lerr = np.empty(errT.shape[1])
+        layer_error(errT, osp.rpack, osp.roff, osp.rstart, lerr)
+        for q in range(lerr.size):
+            res.lout[it, q, L_ERR2] = lerr[q]
 
 
 @nb.njit(cache=True, parallel=True)

@@ -115,15 +115,14 @@ def _drop_top_later(x, tail, h):
     size = x.size
     v = np.partition(x, size - h)[size - h]
     above = 0
+    n_ties = 0
     for i in range(size):
         if x[i] > v:
             above += 1
+        elif x[i] == v:
+            n_ties += 1
     ties_out = h - above  # the last ties_out entries equal to v are in the top-h
     ties_seen = 0
-    n_ties = 0
-    for i in range(size):
-        if x[i] == v:
-            n_ties += 1
     k = 0
     for i in range(size):
         xi = x[i]

@@ -132,12 +132,7 @@ class PerStepScore(Score):
                              f"{trace.group_size} query heads per KV head")
         heads = list(trace.group(kv_head))
         if trace.is_plain and not self.linearised:
-            # the common case, compiled: softmax rows and their reduction in one call
-            from tracesim.kernels.step_scores import group_softmax
-
-            x = np.empty(end + 1)
-            group_softmax(self._step_logits(trace, kv_head, heads, end), self.gqa == "max", x)
-            return x[:end]
+            return self._plain_steps(trace, kv_head, heads, [end])[0]
         w = self._step_attention(trace, kv_head, heads, end)
         x = w.max(axis=0) if self.gqa == "max" else w.mean(axis=0)
         return x[:end]
@@ -149,9 +144,14 @@ class PerStepScore(Score):
         parallel over the steps (each step as :meth:`scores` computes it: the same values)."""
         if self.gqa == "head" or not trace.is_plain or self.linearised:
             return super().step_scores(trace, kv_head, ends, seed)
+        return self._plain_steps(trace, kv_head, list(trace.group(kv_head)), ends)
+
+    def _plain_steps(self, trace: LayerTrace, kv_head: int, heads: list[int],
+                     ends) -> list[np.ndarray]:
+        """The scores of ``heads`` at every step of ``ends`` on a plain layer, compiled: the
+        steps' logits end to end, their softmax rows reduced in one call."""
         from tracesim.kernels.step_scores import group_softmax_steps
 
-        heads = list(trace.group(kv_head))
         ends = [int(t) for t in ends]
         n = len(heads)
         xoff = np.zeros(len(ends) + 1, dtype=np.int64)

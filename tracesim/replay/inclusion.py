@@ -19,12 +19,7 @@ from tracesim.designs.poisson import PoissonPPS
 from tracesim.layer_trace import LayerTrace
 from tracesim.policies import Policy
 from tracesim.prn import permanent_uniforms, step_stream, uniform_grid
-from tracesim.replay.head_rows import (  # noqa: F401  (_top_later: tests import it from here)
-    STEP_ROW_ENTRIES,
-    StepRows,
-    _top_later,
-    head_inclusion,
-)
+from tracesim.replay.head_rows import STEP_ROW_ENTRIES, StepRows, head_inclusion
 from tracesim.schedules import event_of_queries, nested_inclusion
 
 __all__ = ["InclusionTables", "build_inclusion", "event_uniforms", "fixed_kept", "fresh_uniforms",
